@@ -1,0 +1,118 @@
+"""The backend interface and the table of built-in implementations.
+
+A backend supplies three op nodes for one rank's vocab shard: ``matmul`` (hidden @ weight.T),
+``shard_partials`` (per-segment (max, sumexp) and the owned target logits) and ``merge``
+(all ranks' partials in rank order -> lse). ``kernels.lm_head`` composes them for any TP degree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kernels.errors import BackendUnavailableError
+from kernels.provenance import NodeProvenance
+from kernels.sharding import ShardingSpec
+
+
+@dataclass(frozen=True)
+class ShardPartials:
+    """One rank's contribution to a row's logsumexp and target logit.
+
+    ``maxes``/``sumexps`` are [T, k]: k segments of the shard in vocab order (one per tile for
+    tiled backends, one per shard for Megatron-style ones). ``target_logit`` is [T], valid where
+    ``owned`` is true (the target id falls in this rank's shard).
+    """
+
+    maxes: torch.Tensor
+    sumexps: torch.Tensor
+    target_logit: torch.Tensor
+    owned: torch.Tensor
+
+
+class LogprobBackend(Protocol):
+    id: str
+
+    def matmul(self, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, NodeProvenance]:
+        """hidden[T, H] @ weight[V, H].T -> logits[T, V]."""
+
+    def shard_partials(
+        self, logits: torch.Tensor, local_targets: torch.Tensor, owned: torch.Tensor, sharding: ShardingSpec
+    ) -> tuple[ShardPartials, NodeProvenance]:
+        """logits[T, Vshard_real] -> this rank's partials."""
+
+    def merge(self, partials: Sequence[ShardPartials]) -> tuple[torch.Tensor, NodeProvenance]:
+        """Partials of every rank, in rank order -> lse[T]."""
+
+
+BACKENDS: dict[str, LogprobBackend] = {}
+
+
+def register_backend(backend_id: str) -> Callable[[type], type]:
+    """Class decorator: instantiate the backend and make it reachable by ``backend_id``."""
+
+    def decorate(cls: type) -> type:
+        instance = cls()
+        instance.id = backend_id
+        BACKENDS[backend_id] = instance
+        return cls
+
+    return decorate
+
+
+def get_backend(backend_id: str) -> LogprobBackend:
+    if backend_id not in BACKENDS:
+        raise BackendUnavailableError(f"unknown backend {backend_id!r}; available: {', '.join(sorted(BACKENDS))}")
+    return BACKENDS[backend_id]
+
+
+@contextmanager
+def strict_fp32_accumulation():
+    """TF32 off and no reduced-precision bf16 reductions in cuBLAS for the duration of a call."""
+    cuda_matmul = torch.backends.cuda.matmul
+    saved = (
+        cuda_matmul.allow_tf32,
+        cuda_matmul.allow_bf16_reduced_precision_reduction,
+        torch.backends.cudnn.allow_tf32,
+    )
+    cuda_matmul.allow_tf32 = False
+    cuda_matmul.allow_bf16_reduced_precision_reduction = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        (
+            cuda_matmul.allow_tf32,
+            cuda_matmul.allow_bf16_reduced_precision_reduction,
+            torch.backends.cudnn.allow_tf32,
+        ) = saved
+
+
+def segment_partials(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x[T, W] -> (max[T], sumexp[T]) with an empty segment as the identity (-inf, 0)."""
+    if x.shape[1] == 0:
+        rows = x.shape[0]
+        return x.new_full((rows,), float("-inf")), x.new_zeros((rows,))
+    m = x.amax(dim=1)
+    return m, torch.exp(x - m[:, None]).sum(dim=1)
+
+
+def megatron_merge(partials: Sequence[ShardPartials]) -> torch.Tensor:
+    """Partials of every rank -> lse[T]: global max, rescaled sums added, as Megatron does."""
+    maxes = torch.cat([p.maxes for p in partials], dim=1)
+    sumexps = torch.cat([p.sumexps for p in partials], dim=1)
+    global_max = maxes.amax(dim=1)
+    scale = torch.where(maxes == float("-inf"), 0.0, torch.exp(maxes - global_max[:, None]))
+    return global_max + torch.log((sumexps * scale).sum(dim=1))
+
+
+def gather_target_logit(logits: torch.Tensor, local_targets: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
+    """The target column of each owned row, 0 elsewhere; an exact copy, no arithmetic."""
+    if logits.shape[1] == 0:
+        return logits.new_zeros((logits.shape[0],))
+    picked = logits.gather(1, local_targets[:, None].clamp(0, logits.shape[1] - 1)).squeeze(1)
+    return torch.where(owned, picked, torch.zeros_like(picked))

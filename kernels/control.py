@@ -1,0 +1,52 @@
+"""Negative control: deliberately layout-variant, so a harness that misses it is blind.
+
+Its vocab split count grows with the number of rows in the call, which changes the fp32
+summation order of the logsumexp; a 1-row call and a 64-row call give different bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kernels.backend import (
+    ShardPartials,
+    gather_target_logit,
+    megatron_merge,
+    register_backend,
+    segment_partials,
+)
+from kernels.provenance import NodeProvenance, observe
+from kernels.sharding import ShardingSpec
+
+MAX_SPLITS = 16
+
+
+def split_count(rows: int) -> int:
+    """The layout-dependent choice that makes this backend variant."""
+    return max(1, min(rows, MAX_SPLITS))
+
+
+@register_backend("control")
+class ControlBackend:
+    id: str
+
+    def matmul(self, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, NodeProvenance]:
+        logits = hidden @ weight.T
+        return logits, observe("matmul", self.id, "control.mm", logits)
+
+    def shard_partials(
+        self, logits: torch.Tensor, local_targets: torch.Tensor, owned: torch.Tensor, sharding: ShardingSpec
+    ) -> tuple[ShardPartials, NodeProvenance]:
+        x = logits.float()
+        splits = split_count(x.shape[0])
+        pairs = [segment_partials(chunk) for chunk in torch.tensor_split(x, splits, dim=1)]
+        maxes = torch.stack([m for m, _ in pairs], dim=1)
+        sums = torch.stack([s for _, s in pairs], dim=1)
+        partials = ShardPartials(maxes, sums, gather_target_logit(x, local_targets, owned), owned)
+        return partials, observe("logprob", self.id, "control.row_dependent_split", sums, splits=splits)
+
+    def merge(self, partials: Sequence[ShardPartials]) -> tuple[torch.Tensor, NodeProvenance]:
+        lse = megatron_merge(partials)
+        return lse, observe("tp_merge", self.id, "control.max_sum", lse)

@@ -1,0 +1,36 @@
+"""Typed errors raised by the kernels before any work is done."""
+
+from __future__ import annotations
+
+
+class KernelInputError(ValueError):
+    """Bad input to a kernel entry point; the message names the offending value."""
+
+
+class ShapeMismatchError(KernelInputError):
+    """Tensor shapes that cannot be combined (for example hidden[T, H] with weight[V, H'])."""
+
+
+class DtypeMismatchError(KernelInputError):
+    """A dtype outside what the op supports, or operands of different dtypes."""
+
+
+class TargetOutOfRangeError(KernelInputError):
+    """A target id outside [0, vocab) that is not the ignore_index."""
+
+    def __init__(self, message: str, *, position: int, value: int):
+        super().__init__(message)
+        self.position = position
+        self.value = value
+
+
+class NonFiniteInputError(KernelInputError):
+    """NaN or Inf in hidden states or weights."""
+
+
+class TPConfigError(KernelInputError):
+    """A tensor-parallel request the geometry or the machine cannot serve."""
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested backend cannot run here (missing device, module or interpreter)."""

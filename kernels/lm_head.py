@@ -1,0 +1,145 @@
+"""The composed op: lm_head matmul, per-shard partials and the TP merge, for any backend and TP degree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.backend import LogprobBackend, ShardPartials, get_backend
+from kernels.errors import KernelInputError
+from kernels.provenance import NodeProvenance, Provenance
+from kernels.sharding import ShardingSpec, check_tile_geometry
+from kernels.validation import IGNORE_INDEX, check_lm_head_inputs, check_logits_inputs, check_target_range
+
+TP_MODES = ("emulated", "distributed")
+DEFAULT_VOCAB_TILE = 1024
+
+
+@dataclass(frozen=True)
+class LogprobResult:
+    """Per-row outputs of one call, replicated on every rank.
+
+    ``logp``/``lse`` are [T] fp32 (float64 for the reference backend); ``logp`` is 0 where the row
+    is inactive (target == ignore_index). ``owner_rank`` [T] is the rank whose shard holds the
+    target, -1 for inactive rows.
+    """
+
+    logp: torch.Tensor
+    lse: torch.Tensor
+    active: torch.Tensor
+    owner_rank: torch.Tensor
+    provenance: Provenance
+
+
+@dataclass(frozen=True)
+class RankOutput:
+    """What one rank computes before any communication."""
+
+    logits: torch.Tensor
+    partials: ShardPartials | None  # None: the backend reduces the full vocab itself (TP=1)
+    matmul: NodeProvenance | None
+    logprob: NodeProvenance | None
+
+
+def matmul(hidden: torch.Tensor, weight: torch.Tensor, *, backend: str) -> tuple[torch.Tensor, NodeProvenance]:
+    """hidden[T, H] @ weight[V, H].T -> logits[T, V] in the execution dtype (float64 for reference)."""
+    impl = get_backend(backend)
+    check_lm_head_inputs(hidden, weight, torch.zeros(hidden.shape[0], dtype=torch.int64, device=hidden.device))
+    return impl.matmul(hidden, weight)
+
+
+def logprob(
+    logits: torch.Tensor, targets: torch.Tensor, *, backend: str, vocab_tile: int = DEFAULT_VOCAB_TILE
+) -> LogprobResult:
+    """logits[T, V] + targets[T] -> fp32 logp[T] and lse[T] (TP=1)."""
+    impl = get_backend(backend)
+    check_logits_inputs(logits, targets)
+    vocab = logits.shape[1]
+    check_target_range(targets, vocab)
+    sharding = ShardingSpec.even(vocab, vocab_tile, 1)
+    ranks = [rank_logprob(impl, logits, targets, sharding, matmul_provenance=None)]
+    return finish(impl, targets, sharding, ranks, tp_mode="emulated")
+
+
+def lm_head_logprob(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    backend: str,
+    tp: int = 1,
+    tp_mode: str = "emulated",
+    vocab_tile: int = DEFAULT_VOCAB_TILE,
+) -> LogprobResult:
+    """hidden[T, H], weight[V, H], targets[T] -> logp and lse of each row's target, vocab split over ``tp`` ranks."""
+    impl = get_backend(backend)
+    if tp_mode not in TP_MODES:
+        raise KernelInputError(f"tp_mode must be one of {TP_MODES}, got {tp_mode!r}")
+    check_tile_geometry(weight.shape[0] if weight.dim() == 2 else 1, vocab_tile, tp)
+    check_lm_head_inputs(hidden, weight, targets)
+    check_target_range(targets, weight.shape[0])
+    sharding = ShardingSpec.even(weight.shape[0], vocab_tile, tp)
+    if tp_mode == "distributed":
+        from kernels.distributed import run_distributed
+
+        return run_distributed(backend, hidden, weight, targets, sharding)
+    ranks = [rank_forward(impl, hidden, weight, targets, sharding.for_rank(r)) for r in range(tp)]
+    return finish(impl, targets, sharding, ranks, tp_mode="emulated")
+
+
+def rank_forward(
+    impl: LogprobBackend, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, sharding: ShardingSpec
+) -> RankOutput:
+    """One rank's work: its shard's logits, then its partials."""
+    lo, hi = sharding.real_shard
+    logits, matmul_prov = impl.matmul(hidden, weight[lo:hi])
+    return rank_logprob(impl, logits, targets, sharding, matmul_provenance=matmul_prov)
+
+
+def rank_logprob(
+    impl: LogprobBackend,
+    shard_logits: torch.Tensor,
+    targets: torch.Tensor,
+    sharding: ShardingSpec,
+    *,
+    matmul_provenance: NodeProvenance | None,
+) -> RankOutput:
+    if sharding.world_size == 1 and hasattr(impl, "full_vocab_logprob"):
+        return RankOutput(shard_logits, None, matmul_provenance, None)
+    lo, hi = sharding.shard
+    owned = (targets >= lo) & (targets < hi)
+    local_targets = torch.where(owned, targets - lo, torch.zeros_like(targets))
+    partials, prov = impl.shard_partials(shard_logits, local_targets, owned, sharding)
+    return RankOutput(shard_logits, partials, matmul_provenance, prov)
+
+
+def finish(
+    impl: LogprobBackend,
+    targets: torch.Tensor,
+    sharding: ShardingSpec,
+    ranks: list[RankOutput],
+    *,
+    tp_mode: str,
+) -> LogprobResult:
+    """Merge every rank's partials (identical on each rank) into the replicated result."""
+    active = targets != IGNORE_INDEX
+    if ranks[0].partials is None:
+        logp, lse, logprob_prov = impl.full_vocab_logprob(ranks[0].logits, torch.where(active, targets, 0))
+        merge_prov = NodeProvenance("tp_merge", impl.id, "none (tp=1)", logprob_prov.out_dtype, logprob_prov.device)
+        owner = torch.where(active, 0, -1)
+    else:
+        owner = torch.full_like(targets, -1, dtype=torch.int64)
+        target_logit = torch.zeros_like(ranks[0].partials.target_logit)
+        for rank, out in enumerate(ranks):
+            owner = torch.where(out.partials.owned, rank, owner)
+            target_logit = torch.where(out.partials.owned, out.partials.target_logit, target_logit)
+        lse, merge_prov = impl.merge([out.partials for out in ranks])
+        logp = target_logit.to(lse.dtype) - lse
+        logprob_prov = ranks[0].logprob
+    logp = torch.where(active, logp, torch.zeros_like(logp))
+    nodes = {"logprob": logprob_prov, "tp_merge": merge_prov}
+    if ranks[0].matmul is not None:
+        nodes = {"matmul": ranks[0].matmul, **nodes}
+    provenance = Provenance(nodes=nodes, tp=sharding.world_size, tp_mode=tp_mode)
+    return LogprobResult(logp=logp, lse=lse, active=active, owner_rank=owner, provenance=provenance)

@@ -1,0 +1,121 @@
+"""Triton backend: invariant matmul, fixed global vocab tiles, partials merged in tile order."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from types import ModuleType
+
+import torch
+
+from kernels.backend import ShardPartials, gather_target_logit, register_backend
+from kernels.errors import BackendUnavailableError
+from kernels.provenance import NodeProvenance, observe
+from kernels.sharding import ShardingSpec
+
+
+@dataclass(frozen=True)
+class MatmulTiling:
+    """One tile configuration per (device kind, dtype); never a function of M or N."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+    upcast_to_fp32: bool
+
+
+# Compiled CUDA: bf16 operands go to the tensor cores with fp32 accumulation; fp32 operands use
+# IEEE fp32 (no TF32). Interpreter: bf16 is upcast (exact) because the interpreter's bf16 dot is wrong.
+CUDA_TILING = {
+    torch.bfloat16: MatmulTiling(128, 128, 64, 8, 8, 3, upcast_to_fp32=False),
+    torch.float32: MatmulTiling(128, 64, 32, 8, 8, 3, upcast_to_fp32=False),
+}
+INTERPRETER_TILING = MatmulTiling(64, 256, 32, 8, 4, 1, upcast_to_fp32=True)
+PARTIAL_ROWS = 4  # rows per program of the tile-partials kernel
+MERGE_ROWS = 128  # rows per program of the ordered merge
+
+
+def _load_kernels(device: torch.device) -> tuple[ModuleType, bool]:
+    """Import the Triton kernels, or say why they cannot run on ``device``."""
+    try:
+        kernels_module = importlib.import_module("kernels.triton_kernels")
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError as err:  # pragma: no cover - triton is a hard dependency
+        raise BackendUnavailableError(f"the triton backend needs the triton package: {err}") from err
+    interpreted = isinstance(kernels_module.invariant_matmul_kernel, InterpretedFunction)
+    if device.type == "cpu" and not interpreted:
+        raise BackendUnavailableError(
+            "the triton backend got CPU tensors but Triton is compiling for a GPU; set "
+            "TRITON_INTERPRET=1 before triton is first imported to run its kernels on the CPU"
+        )
+    if device.type not in ("cpu", "cuda"):
+        raise BackendUnavailableError(f"the triton backend runs on cpu or cuda, not {device.type!r}")
+    return kernels_module, interpreted
+
+
+@register_backend("triton")
+class TritonBackend:
+    id: str
+
+    def matmul(self, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, NodeProvenance]:
+        kernels_module, interpreted = _load_kernels(hidden.device)
+        tiling = INTERPRETER_TILING if interpreted else CUDA_TILING[hidden.dtype]
+        rows, cols, depth = hidden.shape[0], weight.shape[0], hidden.shape[1]
+        logits = torch.empty((rows, cols), dtype=hidden.dtype, device=hidden.device)
+        if rows and cols:
+            grid = (triton_cdiv(rows, tiling.block_m) * triton_cdiv(cols, tiling.block_n),)
+            kernels_module.invariant_matmul_kernel[grid](
+                hidden, weight, logits, rows, cols, depth,
+                hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+                logits.stride(0), logits.stride(1),
+                BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
+                GROUP_M=tiling.group_m, UPCAST=tiling.upcast_to_fp32,
+                num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+            )  # fmt: skip
+        return logits, observe(
+            "matmul", self.id, "triton.invariant_matmul", logits, interpreted=interpreted, **asdict(tiling)
+        )
+
+    def shard_partials(
+        self, logits: torch.Tensor, local_targets: torch.Tensor, owned: torch.Tensor, sharding: ShardingSpec
+    ) -> tuple[ShardPartials, NodeProvenance]:
+        kernels_module, interpreted = _load_kernels(logits.device)
+        logits = logits.contiguous()
+        rows, n_real = logits.shape
+        lo, hi = sharding.shard
+        n_tiles = (hi - lo) // sharding.vocab_tile
+        maxes = torch.empty((rows, n_tiles), dtype=torch.float32, device=logits.device)
+        sums = torch.empty_like(maxes)
+        if rows:
+            grid = (triton_cdiv(rows, PARTIAL_ROWS), n_tiles)
+            kernels_module.tile_partials_kernel[grid](
+                logits, maxes, sums, rows, n_real, logits.stride(0), n_tiles,
+                ROWS=PARTIAL_ROWS, TILE=sharding.vocab_tile,
+            )  # fmt: skip
+        target = gather_target_logit(logits, local_targets, owned).float()
+        return ShardPartials(maxes, sums, target, owned), observe(
+            "logprob", self.id, "triton.tile_partials", sums,
+            vocab_tile=sharding.vocab_tile, rows_per_program=PARTIAL_ROWS, interpreted=interpreted,
+        )  # fmt: skip
+
+    def merge(self, partials: Sequence[ShardPartials]) -> tuple[torch.Tensor, NodeProvenance]:
+        # Ranks hold contiguous shards in rank order, so concatenation is global tile order.
+        maxes = torch.cat([p.maxes for p in partials], dim=1).contiguous()
+        sums = torch.cat([p.sumexps for p in partials], dim=1).contiguous()
+        kernels_module, interpreted = _load_kernels(maxes.device)
+        rows, n_tiles = maxes.shape
+        lse = torch.empty((rows,), dtype=torch.float32, device=maxes.device)
+        if rows:
+            grid = (triton_cdiv(rows, MERGE_ROWS),)
+            kernels_module.ordered_merge_kernel[grid](maxes, sums, lse, rows, n_tiles, BLOCK=MERGE_ROWS)
+        return lse, observe(
+            "tp_merge", self.id, "triton.ordered_tile_merge", lse, tiles=n_tiles, interpreted=interpreted
+        )
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,101 @@
+"""Triton kernels whose arithmetic per output never depends on the call's row count or TP degree.
+
+Imported lazily by ``kernels.triton_backend``: Triton decides at decoration time whether a kernel
+runs compiled (CUDA) or in its CPU interpreter, so ``TRITON_INTERPRET`` must be set before this
+module is first imported.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["M", "N"])
+def invariant_matmul_kernel(
+    a_ptr, b_ptr, c_ptr, M, N, K,
+    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """c[M, N] = a[M, K] @ b[N, K].T with one fixed tiling, no split-K and K walked in order."""
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    # Grouped launch order helps L2 reuse; it changes which program runs when, never the arithmetic.
+    group = GROUP_M * grid_n
+    first_m = (pid // group) * GROUP_M
+    group_rows = min(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % group_rows
+    pid_n = (pid % group) // group_rows
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(
+            a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak,
+            mask=(rm[:, None] < M) & (kk[None, :] < K),
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + rn[None, :] * stride_bn + kk[:, None] * stride_bk,
+            mask=(rn[None, :] < N) & (kk[:, None] < K),
+            other=0.0,
+        )
+        if UPCAST:
+            # bf16 products are exact in fp32, so upcasting keeps the math of an fp32-accumulating
+            # bf16 dot; the CPU interpreter needs it because its bf16 dot is wrong.
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    c = acc.to(c_ptr.dtype.element_ty)
+    tl.store(
+        c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
+        c,
+        mask=(rm[:, None] < M) & (rn[None, :] < N),
+    )
+
+
+@triton.jit(do_not_specialize=["T", "n_real"])
+def tile_partials_kernel(
+    logits_ptr, max_ptr, sum_ptr, T, n_real, stride_t, n_tiles,
+    ROWS: tl.constexpr, TILE: tl.constexpr,
+):  # fmt: skip
+    """Per (row, tile): fp32 max and sum(exp(x - max)) over TILE columns; padding is -inf."""
+    pid_r = tl.program_id(0)
+    tile = tl.program_id(1)
+    rows = pid_r * ROWS + tl.arange(0, ROWS)
+    cols = tile * TILE + tl.arange(0, TILE)
+    x = tl.load(
+        logits_ptr + rows[:, None] * stride_t + cols[None, :],
+        mask=(rows[:, None] < T) & (cols[None, :] < n_real),
+        other=float("-inf"),
+    ).to(tl.float32)
+    m = tl.max(x, axis=1)
+    # An all-padding tile is the identity (-inf, 0): shift by 0 so exp(-inf) = 0, not NaN.
+    shift = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(tl.exp(x - shift[:, None]), axis=1)
+    out = rows * n_tiles + tile
+    tl.store(max_ptr + out, m, mask=rows < T)
+    tl.store(sum_ptr + out, s, mask=rows < T)
+
+
+@triton.jit(do_not_specialize=["T", "n_tiles"])
+def ordered_merge_kernel(max_ptr, sum_ptr, lse_ptr, T, n_tiles, BLOCK: tl.constexpr):
+    """lse[T] from per-tile partials [T, n_tiles], merged strictly left to right."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = rows < T
+    run_max = tl.full((BLOCK,), float("-inf"), tl.float32)
+    run_sum = tl.zeros((BLOCK,), tl.float32)
+    for t in range(0, n_tiles):
+        m = tl.load(max_ptr + rows * n_tiles + t, mask=live, other=float("-inf"))
+        s = tl.load(sum_ptr + rows * n_tiles + t, mask=live, other=0.0)
+        lo = tl.minimum(run_max, m)
+        hi = tl.maximum(run_max, m)
+        scale = tl.where(lo == float("-inf"), 0.0, tl.exp(lo - hi))
+        run_sum = tl.where(m > run_max, run_sum * scale + s, run_sum + s * scale)
+        run_max = hi
+    tl.store(lse_ptr + rows, run_max + tl.log(run_sum), mask=live)

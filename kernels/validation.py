@@ -1,0 +1,74 @@
+"""Input checks at the kernels' boundary: every check runs before any kernel is launched."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.errors import (
+    DtypeMismatchError,
+    NonFiniteInputError,
+    ShapeMismatchError,
+    TargetOutOfRangeError,
+)
+
+EXECUTION_DTYPES = (torch.bfloat16, torch.float32)
+IGNORE_INDEX = -100
+
+
+def check_lm_head_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> None:
+    """Shapes, dtypes, devices and finiteness of hidden[T, H], weight[V, H], targets[T]."""
+    if hidden.dim() != 2:
+        raise ShapeMismatchError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2:
+        raise ShapeMismatchError(f"weight must be [V, H], got shape {tuple(weight.shape)}")
+    if hidden.shape[1] != weight.shape[1]:
+        raise ShapeMismatchError(f"hidden size differs: hidden {tuple(hidden.shape)} vs weight {tuple(weight.shape)}")
+    check_targets(targets, rows=hidden.shape[0])
+    for name, tensor in (("hidden", hidden), ("weight", weight)):
+        if tensor.dtype not in EXECUTION_DTYPES:
+            raise DtypeMismatchError(f"{name} has dtype {tensor.dtype}; supported: bfloat16, float32")
+    if hidden.dtype != weight.dtype:
+        raise DtypeMismatchError(f"hidden is {hidden.dtype} but weight is {weight.dtype}")
+    if hidden.device != weight.device or hidden.device != targets.device:
+        raise ShapeMismatchError(
+            f"inputs on different devices: hidden {hidden.device}, weight {weight.device}, targets {targets.device}"
+        )
+    check_finite("hidden", hidden)
+    check_finite("weight", weight)
+
+
+def check_logits_inputs(logits: torch.Tensor, targets: torch.Tensor) -> None:
+    """logits[T, V] with targets[T]."""
+    if logits.dim() != 2:
+        raise ShapeMismatchError(f"logits must be [T, V], got shape {tuple(logits.shape)}")
+    if logits.dtype not in (*EXECUTION_DTYPES, torch.float64):
+        raise DtypeMismatchError(f"logits have dtype {logits.dtype}; supported: bfloat16, float32, float64")
+    check_targets(targets, rows=logits.shape[0])
+    check_finite("logits", logits)
+
+
+def check_targets(targets: torch.Tensor, *, rows: int) -> None:
+    if targets.dim() != 1 or targets.shape[0] != rows:
+        raise ShapeMismatchError(f"targets must be [T] with T={rows}, got shape {tuple(targets.shape)}")
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise DtypeMismatchError(f"targets have dtype {targets.dtype}; supported: int64, int32")
+
+
+def check_target_range(targets: torch.Tensor, vocab_size: int) -> None:
+    """Every target is in [0, vocab_size) or equal to IGNORE_INDEX."""
+    bad = ((targets < 0) | (targets >= vocab_size)) & (targets != IGNORE_INDEX)
+    if bool(bad.any()):
+        position = int(bad.nonzero()[0, 0])
+        value = int(targets[position])
+        raise TargetOutOfRangeError(
+            f"target id {value} at row {position} is outside [0, {vocab_size}) and is not ignore_index={IGNORE_INDEX}",
+            position=position,
+            value=value,
+        )
+
+
+def check_finite(name: str, tensor: torch.Tensor) -> None:
+    finite = torch.isfinite(tensor)
+    if not bool(finite.all()):
+        index = tuple(int(i) for i in (~finite).nonzero()[0])
+        raise NonFiniteInputError(f"{name} holds a non-finite value {tensor[index].item()} at index {index}")
