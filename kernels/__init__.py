@@ -15,7 +15,7 @@ from kernels.errors import (
     TPConfigError,
 )
 from kernels.lm_head import DEFAULT_VOCAB_TILE, TP_MODES, LogprobResult, lm_head_logprob, logprob, matmul
-from kernels.provenance import OP_NODES, NodeProvenance, Provenance, dtype_name
+from kernels.provenance import OP_NODES, NodeProvenance, Provenance, dtype_name, provenance_mismatches
 from kernels.sharding import ShardingSpec, padded_vocab_size
 from kernels.validation import IGNORE_INDEX
 
@@ -43,5 +43,6 @@ __all__ = [
     "logprob",
     "matmul",
     "padded_vocab_size",
+    "provenance_mismatches",
     "register_backend",
 ]

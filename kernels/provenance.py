@@ -57,3 +57,17 @@ def device_name(tensor: torch.Tensor) -> str:
 def observe(node: str, backend: str, kernel: str, out: torch.Tensor, **config: Any) -> NodeProvenance:
     """Record a node from the tensor it produced, so dtype and device are what ran."""
     return NodeProvenance(node, backend, kernel, dtype_name(out.dtype), device_name(out), config)
+
+
+def provenance_mismatches(required: dict[str, str], observed: Provenance) -> list[str]:
+    """One line per required node whose observed backend differs (or that never ran); empty when all match."""
+    problems = []
+    for node, backend in required.items():
+        ran = observed.nodes.get(node)
+        if ran is None:
+            problems.append(f"node {node!r}: required backend {backend!r}, observed nothing (the node did not run)")
+        elif ran.backend != backend:
+            problems.append(
+                f"node {node!r}: required backend {backend!r}, observed {ran.backend!r} (kernel {ran.kernel})"
+            )
+    return problems
