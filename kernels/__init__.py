@@ -5,6 +5,7 @@ Public API; everything else in this package is an implementation detail.
 
 from kernels import aten, control, reference, triton_backend  # noqa: F401  (register the backends)
 from kernels.backend import BACKENDS, LogprobBackend, ShardPartials, register_backend
+from kernels.bitwise import bit_pattern, first_bit_difference
 from kernels.errors import (
     BackendUnavailableError,
     DtypeMismatchError,
@@ -38,7 +39,9 @@ __all__ = [
     "ShardingSpec",
     "TPConfigError",
     "TargetOutOfRangeError",
+    "bit_pattern",
     "dtype_name",
+    "first_bit_difference",
     "lm_head_logprob",
     "logprob",
     "matmul",

@@ -1,0 +1,55 @@
+"""Shared fixtures: the devices to test on and fresh random lm_head inputs at a realistic logit scale."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+# Without a GPU the Triton kernels run in Triton's CPU interpreter; the switch is read when the
+# kernels are decorated, so it must be set before anything imports them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+LOGIT_STD = 4.0  # realistic lm_head logits have std 3-5 and a peaked softmax
+
+
+def triton_runs_on(device: str) -> bool:
+    """Triton runs on CUDA compiled, and on the CPU only in its interpreter."""
+    return device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    return request.param
+
+
+@dataclass
+class LmHeadInputs:
+    hidden: torch.Tensor  # [T, H]
+    weight: torch.Tensor  # [V, H]
+    targets: torch.Tensor  # [T]
+    seed: int
+
+
+@pytest.fixture
+def make_inputs():
+    """Factory of fresh random inputs (a new seed every call, reported on failure)."""
+
+    def make(rows: int, hidden_size: int, vocab: int, dtype: torch.dtype, device: str) -> LmHeadInputs:
+        seed = secrets.randbits(31)
+        gen = torch.Generator().manual_seed(seed)
+        hidden = torch.randn(rows, hidden_size, generator=gen)
+        weight = torch.randn(vocab, hidden_size, generator=gen) * (LOGIT_STD / hidden_size**0.5)
+        logits = hidden.double() @ weight.double().T
+        # Half the targets sampled from the model's own distribution (as a rollout would), half uniform.
+        sampled = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen).squeeze(1)
+        uniform = torch.randint(0, vocab, (rows,), generator=gen)
+        targets = torch.where(torch.arange(rows) % 2 == 0, sampled, uniform)
+        return LmHeadInputs(hidden.to(dtype).to(device), weight.to(dtype).to(device), targets.to(device), seed)
+
+    return make
