@@ -1,0 +1,85 @@
+"""Bad inputs raise typed errors that name the offending value, before any work is done."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+
+
+def good_inputs(rows: int = 4, hidden: int = 16, vocab: int = 100):
+    gen = torch.Generator().manual_seed(0)
+    return (
+        torch.randn(rows, hidden, generator=gen),
+        torch.randn(vocab, hidden, generator=gen),
+        torch.randint(0, vocab, (rows,), generator=gen),
+    )
+
+
+@pytest.mark.parametrize("bad", [100, 1000, -1, -99, -101])
+def test_target_outside_vocab_names_first_bad_index(bad):
+    hidden, weight, targets = good_inputs()
+    targets[2] = bad
+    targets[3] = bad
+    with pytest.raises(kernels.TargetOutOfRangeError, match=rf"target id {bad} at row 2 is outside \[0, 100\)") as err:
+        kernels.lm_head_logprob(hidden, weight, targets, backend="aten")
+    assert (err.value.position, err.value.value) == (2, bad)
+
+
+@pytest.mark.parametrize("name", ["hidden", "weight"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_inputs_are_refused(name, value):
+    hidden, weight, targets = good_inputs()
+    (hidden if name == "hidden" else weight)[1, 3] = value
+    with pytest.raises(
+        kernels.NonFiniteInputError, match=rf"{name} holds a non-finite value {value} at index \(1, 3\)"
+    ):
+        kernels.lm_head_logprob(hidden, weight, targets, backend="reference")
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error", "match"),
+    [
+        (lambda h, w, t: (h[:, :8], w, t), kernels.ShapeMismatchError, r"hidden \(4, 8\) vs weight \(100, 16\)"),
+        (lambda h, w, t: (h[0], w, t), kernels.ShapeMismatchError, r"hidden must be \[T, H\], got shape \(16,\)"),
+        (
+            lambda h, w, t: (h, w, t[:3]),
+            kernels.ShapeMismatchError,
+            r"targets must be \[T\] with T=4, got shape \(3,\)",
+        ),
+        (lambda h, w, t: (h, w, t.float()), kernels.DtypeMismatchError, r"targets have dtype torch.float32"),
+        (lambda h, w, t: (h.half(), w.half(), t), kernels.DtypeMismatchError, r"hidden has dtype torch.float16"),
+        (lambda h, w, t: (h.bfloat16(), w, t), kernels.DtypeMismatchError, r"hidden is torch.bfloat16 but weight is"),
+    ],
+    ids=["hidden-size", "hidden-rank", "target-rows", "target-dtype", "fp16", "mixed-dtypes"],
+)
+def test_shape_and_dtype_mismatches_raise_before_work(mutate, error, match):
+    with pytest.raises(error, match=match):
+        kernels.lm_head_logprob(*mutate(*good_inputs()), backend="aten")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"tp": 0}, r"tp must be an integer >= 1, got 0"),
+        ({"tp": 2.0}, r"tp must be an integer >= 1, got 2.0"),
+        ({"vocab_tile": 100}, r"vocab_tile must be a power of two >= 16, got 100"),
+        ({"tp_mode": "threads"}, r"tp_mode must be one of \('emulated', 'distributed'\), got 'threads'"),
+    ],
+)
+def test_tp_requests_the_geometry_cannot_serve(kwargs, match):
+    with pytest.raises(kernels.KernelInputError, match=match):
+        kernels.lm_head_logprob(*good_inputs(), backend="aten", **kwargs)
+
+
+def test_unknown_backend_lists_the_available_ones():
+    with pytest.raises(kernels.BackendUnavailableError, match=r"unknown backend 'cublas'; available: aten, control"):
+        kernels.lm_head_logprob(*good_inputs(), backend="cublas")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() >= 2, reason="needs exactly one GPU")
+def test_distributed_with_more_ranks_than_gpus_fails_before_any_work():
+    hidden, weight, targets = (t.cuda() for t in good_inputs())
+    with pytest.raises(kernels.TPConfigError, match=r"tp=2 needs 2 GPUs \(one per rank\); this machine has 1"):
+        kernels.lm_head_logprob(hidden, weight, targets, backend="triton", tp=2, tp_mode="distributed", vocab_tile=64)

@@ -1,0 +1,86 @@
+"""Bitwise invariance of the Triton kernels to the call's rows and the TP degree; the control must vary."""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+import torch
+from conftest import triton_runs_on
+
+import kernels
+
+VOCAB, HIDDEN, TILE = 1000, 64, 128
+
+
+@pytest.fixture
+def triton_device(device):
+    if not triton_runs_on(device):
+        pytest.skip("triton needs CUDA or TRITON_INTERPRET=1")
+    return device
+
+
+def needle_call(inp, filler, needle_rows: torch.Tensor, rows: int, position: int, backend: str):
+    """The needle rows placed at ``position`` inside a call of ``rows`` rows of unrelated filler."""
+    count = needle_rows.numel()
+    hidden = torch.cat([filler.hidden[:position], inp.hidden[needle_rows], filler.hidden[position : rows - count]])
+    targets = torch.cat([filler.targets[:position], inp.targets[needle_rows], filler.targets[position : rows - count]])
+    logits, _ = kernels.matmul(hidden, inp.weight, backend=backend)
+    result = kernels.lm_head_logprob(hidden, inp.weight, targets, backend=backend, vocab_tile=TILE)
+    window = slice(position, position + count)
+    return logits[window], result.logp[window], result.lse[window]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_row_alone_equals_row_among_filler(dtype, triton_device, make_inputs):
+    inp = make_inputs(1, HIDDEN, VOCAB, dtype, triton_device)
+    filler = make_inputs(257, HIDDEN, VOCAB, dtype, triton_device)
+    alone = needle_call(inp, filler, torch.tensor([0]), 1, 0, "triton")
+    rng = secrets.SystemRandom()
+    for rows in (2, rng.randint(3, 256), 257):
+        position = rng.randrange(rows)
+        among = needle_call(inp, filler, torch.tensor([0]), rows, position, "triton")
+        for name, a, b in zip(("logits", "logp", "lse"), alone, among, strict=True):
+            assert kernels.first_bit_difference(a, b) is None, (
+                f"{name} bits changed when the row sat at {position} of {rows} (seeds {inp.seed}, {filler.seed})"
+            )
+
+
+def test_control_varies_with_the_number_of_rows(make_inputs):
+    inp = make_inputs(64, HIDDEN, VOCAB, torch.float32, "cpu")
+    many = kernels.lm_head_logprob(inp.hidden, inp.weight, inp.targets, backend="control", vocab_tile=TILE)
+    alone = [
+        kernels.lm_head_logprob(inp.hidden[i : i + 1], inp.weight, inp.targets[i : i + 1], backend="control")
+        for i in range(64)
+    ]
+    differ = [kernels.first_bit_difference(a.lse, many.lse[i : i + 1]) is not None for i, a in enumerate(alone)]
+    assert any(differ), f"the negative control gave the same bits in a 1-row and a 64-row call (seed {inp.seed})"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_is_bitwise_tp_invariant(dtype, triton_device, make_inputs):
+    inp = make_inputs(19, HIDDEN, VOCAB, dtype, triton_device)
+    base = kernels.lm_head_logprob(inp.hidden, inp.weight, inp.targets, backend="triton", vocab_tile=TILE)
+    for tp in (2, 4, 8):
+        padded = kernels.padded_vocab_size(VOCAB, TILE, tp)
+        sharded = kernels.lm_head_logprob(inp.hidden, inp.weight, inp.targets, backend="triton", tp=tp, vocab_tile=TILE)
+        for name in ("logp", "lse"):
+            index = kernels.first_bit_difference(getattr(base, name), getattr(sharded, name))
+            assert index is None, f"{name} row {index} differs at tp={tp} (padded vocab {padded}, seed {inp.seed})"
+        assert sharded.provenance.nodes["tp_merge"].config["tiles"] == padded // TILE
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_triton_distributed_gloo_equals_emulated(tp, make_inputs):
+    if not triton_runs_on("cpu"):
+        pytest.skip("gloo ranks run the Triton interpreter on the CPU")
+    inp = make_inputs(13, HIDDEN, VOCAB, torch.bfloat16, "cpu")
+    emulated = kernels.lm_head_logprob(inp.hidden, inp.weight, inp.targets, backend="triton", tp=tp, vocab_tile=TILE)
+    distributed = kernels.lm_head_logprob(
+        inp.hidden, inp.weight, inp.targets, backend="triton", tp=tp, tp_mode="distributed", vocab_tile=TILE
+    )
+    assert distributed.provenance.tp_mode == "distributed"
+    assert distributed.provenance.nodes["matmul"].backend == "triton"
+    for name in ("logp", "lse", "owner_rank"):
+        a, b = getattr(emulated, name), getattr(distributed, name)
+        assert kernels.first_bit_difference(a.double(), b.double()) is None, f"{name} differs (seed {inp.seed})"
