@@ -1,0 +1,302 @@
+"""The tolerance contract: one versioned document, the only place thresholds come from (SPEC §4.8).
+
+``load_contract()`` reads the packaged ``conf/contract/v1.yaml``; ``contract_from_mapping`` takes the
+same document as Hydra composed it. Both validate it and return a frozen :class:`Contract`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from rlsweep.errors import ContractError
+
+CONTRACT_JUDGMENTS = (
+    "forward_accuracy",
+    "forward_invariance",
+    "tp_invariance",
+    "backend_parity",
+    "gradient_accuracy",
+    "gradient_invariance",
+)
+# Judgments whose every row must be bitwise; tp_invariance's cross_tp_bitwise scope is checked too.
+BITWISE_JUDGMENTS = ("forward_invariance", "gradient_invariance")
+DETERMINISM_SCOPES = ("cross_tp_bitwise", "fixed_topology")
+BITWISE_SCOPE = "cross_tp_bitwise"
+COMPARISON_MODES = ("bitwise", "tolerance")
+CONTRACT_DTYPES = ("bfloat16", "float32")
+CHAIN_METRICS = ("max_abs_dlogp", "approx_kl0", "clipfrac0")
+PIN_KEY = "expected_sha256"
+DEFAULT_CONTRACT = "v1"
+
+# Same-width integer views, so bitwise comparison sees -0.0 vs 0.0 and NaN payloads.
+BIT_VIEWS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The outcome of comparing lhs[N] with rhs[N] under one tolerance row."""
+
+    passed: bool
+    max_abs_diff: float
+    mismatches: int
+    first_index: int | None  # first mismatching element, None when all match
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """One contract row: |lhs - rhs| <= atol + rtol * |rhs| (tolerance) or identical bits (bitwise)."""
+
+    atol: float
+    rtol: float
+    mode: str
+
+    def mismatched(self, lhs: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+        """lhs[N], rhs[N] -> bool[N], true where the pair violates this row (NaN always does)."""
+        if lhs.shape != rhs.shape:
+            raise ContractError(f"cannot compare shapes {tuple(lhs.shape)} and {tuple(rhs.shape)}")
+        if self.mode == "bitwise":
+            if lhs.dtype != rhs.dtype:
+                raise ContractError(f"bitwise comparison needs one dtype, got {lhs.dtype} and {rhs.dtype}")
+            view = BIT_VIEWS[lhs.dtype]
+            return lhs.contiguous().view(view) != rhs.contiguous().view(view)
+        diff = (lhs.double() - rhs.double()).abs()
+        within = diff <= self.atol + self.rtol * rhs.double().abs()
+        return ~within
+
+    def check(self, lhs: torch.Tensor, rhs: torch.Tensor) -> Comparison:
+        bad = self.mismatched(lhs, rhs)
+        diff = (lhs.double() - rhs.double()).abs()
+        max_diff = float(diff.nan_to_num(nan=math.inf).max()) if diff.numel() else 0.0
+        count = int(bad.sum())
+        first = int(bad.nonzero()[0, 0]) if count else None
+        return Comparison(passed=count == 0, max_abs_diff=max_diff, mismatches=count, first_index=first)
+
+    @property
+    def threshold(self) -> float:
+        """The number a verdict row shows: mismatching elements allowed (0) or atol."""
+        return 0.0 if self.mode == "bitwise" else self.atol
+
+
+@dataclass(frozen=True)
+class ChainThresholds:
+    """Upper bounds of the chain logprob aggregates for one dtype."""
+
+    max_abs_dlogp: float
+    approx_kl0: float
+    clipfrac0: float
+
+    def of(self, metric: str) -> float:
+        if metric not in CHAIN_METRICS:
+            raise ContractError(f"unknown chain metric {metric!r}; known: {', '.join(CHAIN_METRICS)}")
+        return getattr(self, metric)
+
+
+@dataclass(frozen=True)
+class Contract:
+    """A validated contract; ``sha256`` is of the canonical resolved document without the pin."""
+
+    version: str
+    sha256: str
+    expected_sha256: str | None
+    document: Mapping[str, Any]
+    roles: Mapping[str, tuple[str, str]]
+    rows: Mapping[tuple[str, str, str, str], Tolerance]  # (judgment, scope or "", tensor, dtype)
+    clip_interval: tuple[float, float]
+    chain: Mapping[str, ChainThresholds]
+
+    def tolerance(self, judgment: str, tensor: str, dtype: str, *, scope: str | None = None) -> Tolerance:
+        """The row for ``judgment`` on ``tensor`` ("logp", "lse", ...) at execution ``dtype``.
+
+        ``scope`` selects the tp_invariance row ("cross_tp_bitwise" when omitted, the strict one).
+        """
+        if judgment not in CONTRACT_JUDGMENTS:
+            raise ContractError(f"unknown judgment {judgment!r}; the contract has: {', '.join(CONTRACT_JUDGMENTS)}")
+        if judgment == "tp_invariance":
+            scope = BITWISE_SCOPE if scope is None else scope
+            if scope not in DETERMINISM_SCOPES:
+                raise ContractError(f"unknown determinism scope {scope!r}; valid: {', '.join(DETERMINISM_SCOPES)}")
+        else:
+            scope = ""
+        key = (judgment, scope, tensor, dtype)
+        if key not in self.rows:
+            known = sorted({(t, d) for j, s, t, d in self.rows if j == judgment and s == scope})
+            raise ContractError(
+                f"contract {self.version} has no {judgment} row for tensor={tensor!r} dtype={dtype!r}; "
+                f"rows exist for (tensor, dtype) in {known}"
+            )
+        return self.rows[key]
+
+    def roles_for(self, name: str) -> tuple[str, str]:
+        """(lhs_role, rhs_role) of a judgment or role pair named in ``comparison_roles``."""
+        if name not in self.roles:
+            raise ContractError(f"the contract declares no comparison roles for {name!r}; known: {sorted(self.roles)}")
+        return self.roles[name]
+
+    def chain_thresholds(self, dtype: str) -> ChainThresholds:
+        if dtype not in self.chain:
+            known = sorted(self.chain)
+            raise ContractError(f"no chain_logprob_aggregates thresholds for dtype {dtype!r}; known: {known}")
+        return self.chain[dtype]
+
+
+def default_contract_path(name: str = DEFAULT_CONTRACT) -> Path:
+    """The packaged ``conf/contract/<name>.yaml``."""
+    return Path(str(resources.files("conf").joinpath("contract", f"{name}.yaml")))
+
+
+def load_contract(path: str | Path | None = None) -> Contract:
+    """Read and validate a contract file (default: the packaged v1)."""
+    path = default_contract_path() if path is None else Path(path)
+    if not path.is_file():
+        raise ContractError(f"contract file {str(path)!r} does not exist")
+    document = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    return contract_from_mapping(document, source=str(path))
+
+
+def contract_sha256(document: Mapping[str, Any]) -> str:
+    """sha256 of the canonical JSON of the document without the pin; ints count as floats."""
+    body = {key: value for key, value in document.items() if key != PIN_KEY}
+    canonical = json.dumps(canonical_numbers(body), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def canonical_numbers(value: Any) -> Any:
+    """0 and 0.0 hash alike, so writing a threshold either way is the same contract."""
+    if isinstance(value, Mapping):
+        return {str(k): canonical_numbers(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [canonical_numbers(v) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def contract_from_mapping(document: Mapping[str, Any], *, source: str = "contract") -> Contract:
+    """Validate a contract document (plain containers) and freeze it."""
+    document = dict(document)
+    for key in ("version", "dtype_policy", "comparison_roles", "judgments", "chain_logprob_aggregates"):
+        if key not in document:
+            raise ContractError(f"{source}: missing top-level key {key!r}")
+    roles = parse_roles(document["comparison_roles"], source)
+    rows = parse_judgments(document["judgments"], source)
+    clip, chain = parse_chain(document["chain_logprob_aggregates"], source)
+    pin = document.get(PIN_KEY)
+    if pin is not None and not isinstance(pin, str):
+        raise ContractError(f"{source}: {PIN_KEY} must be a sha256 hex string or null, got {pin!r}")
+    return Contract(
+        version=str(document["version"]),
+        sha256=contract_sha256(document),
+        expected_sha256=pin,
+        document=MappingProxyType(document),
+        roles=MappingProxyType(roles),
+        rows=MappingProxyType(rows),
+        clip_interval=clip,
+        chain=MappingProxyType(chain),
+    )
+
+
+def parse_roles(section: Mapping[str, Any], source: str) -> dict[str, tuple[str, str]]:
+    known = set(section.get("roles", []))
+    forbidden = {(pair["lhs"], pair["rhs"]) for pair in section.get("forbidden", [])}
+    roles = {}
+    for name, pair in section.get("judgments", {}).items():
+        lhs, rhs = pair.get("lhs"), pair.get("rhs")
+        for side, role in (("lhs", lhs), ("rhs", rhs)):
+            if role not in known:
+                raise ContractError(f"{source}: comparison_roles.{name}.{side}={role!r} is not one of {sorted(known)}")
+        if (lhs, rhs) in forbidden:
+            raise ContractError(f"{source}: comparison_roles.{name} compares {lhs!r} with {rhs!r}, a forbidden pair")
+        roles[name] = (lhs, rhs)
+    return roles
+
+
+def parse_judgments(section: Mapping[str, Any], source: str) -> dict[tuple[str, str, str, str], Tolerance]:
+    rows: dict[tuple[str, str, str, str], Tolerance] = {}
+    for judgment, block in section.items():
+        if judgment not in CONTRACT_JUDGMENTS:
+            raise ContractError(f"{source}: unknown judgment {judgment!r}; valid: {', '.join(CONTRACT_JUDGMENTS)}")
+        if judgment == "tp_invariance":
+            scopes = block.get("scopes", {})
+            if set(scopes) != set(DETERMINISM_SCOPES):
+                raise ContractError(
+                    f"{source}: tp_invariance.scopes must be exactly {list(DETERMINISM_SCOPES)}, got {sorted(scopes)}"
+                )
+            for scope, scoped in scopes.items():
+                bitwise = scope == BITWISE_SCOPE
+                rows.update(parse_rows(f"{judgment}.{scope}", judgment, scope, scoped, bitwise, source))
+        else:
+            rows.update(parse_rows(judgment, judgment, "", block, judgment in BITWISE_JUDGMENTS, source))
+    missing = set(CONTRACT_JUDGMENTS) - set(section)
+    if missing:
+        raise ContractError(f"{source}: judgments missing {sorted(missing)}")
+    return rows
+
+
+def parse_rows(
+    label: str, judgment: str, scope: str, block: Mapping[str, Any], bitwise: bool, source: str
+) -> dict[tuple[str, str, str, str], Tolerance]:
+    if "rows" not in block:
+        raise ContractError(f"{source}: judgments.{label} has no 'rows'")
+    rows = {}
+    for tensor, by_dtype in block["rows"].items():
+        for dtype, row in by_dtype.items():
+            where = f"{source}: judgments.{label}.rows.{tensor}.{dtype}"
+            if dtype not in CONTRACT_DTYPES:
+                raise ContractError(f"{where}: unknown dtype {dtype!r}; valid: {', '.join(CONTRACT_DTYPES)}")
+            tolerance = parse_tolerance(row, where)
+            if bitwise and (tolerance.mode != "bitwise" or tolerance.atol != 0 or tolerance.rtol != 0):
+                raise ContractError(
+                    f"{where}: invariance rows must be bitwise (mode: bitwise, atol: 0, rtol: 0), got "
+                    f"mode={tolerance.mode!r} atol={tolerance.atol!r} rtol={tolerance.rtol!r}"
+                )
+            rows[(judgment, scope, tensor, dtype)] = tolerance
+    return rows
+
+
+def parse_tolerance(row: Mapping[str, Any], where: str) -> Tolerance:
+    mode = row.get("mode")
+    if mode not in COMPARISON_MODES:
+        raise ContractError(f"{where}: mode must be one of {COMPARISON_MODES}, got {mode!r}")
+    values = {}
+    for key in ("atol", "rtol"):
+        value = row.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ContractError(f"{where}: {key} must be a finite number >= 0, got {value!r}")
+        values[key] = float(value)
+    if mode == "bitwise" and (values["atol"] or values["rtol"]):
+        raise ContractError(f"{where}: a bitwise row must have atol = rtol = 0, got {values}")
+    return Tolerance(atol=values["atol"], rtol=values["rtol"], mode=mode)
+
+
+def parse_chain(section: Mapping[str, Any], source: str) -> tuple[tuple[float, float], dict[str, ChainThresholds]]:
+    where = f"{source}: chain_logprob_aggregates"
+    if section.get("require_all") is not True:
+        raise ContractError(
+            f"{where}.require_all must be true (every aggregate must pass), got {section.get('require_all')!r}"
+        )
+    for key in ("nonfinite", "empty_active_set"):
+        if section.get(key) != "hard_failure":
+            raise ContractError(f"{where}.{key} must be 'hard_failure', got {section.get(key)!r}")
+    clip = section.get("clip_interval")
+    if not isinstance(clip, (list, tuple)) or len(clip) != 2 or not 0 < clip[0] < 1 < clip[1]:
+        raise ContractError(f"{where}.clip_interval must be [low, high] with 0 < low < 1 < high, got {clip!r}")
+    chain = {}
+    for dtype, thresholds in section.get("thresholds", {}).items():
+        if dtype not in CONTRACT_DTYPES or set(thresholds) != set(CHAIN_METRICS):
+            raise ContractError(
+                f"{where}.thresholds.{dtype}: need dtype in {CONTRACT_DTYPES} and exactly the metrics "
+                f"{list(CHAIN_METRICS)}, got {sorted(thresholds)}"
+            )
+        chain[dtype] = ChainThresholds(**{metric: float(thresholds[metric]) for metric in CHAIN_METRICS})
+    return (float(clip[0]), float(clip[1])), chain
