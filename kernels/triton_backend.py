@@ -65,7 +65,7 @@ class TritonBackend:
         kernels_module, interpreted = _load_kernels(hidden.device)
         tiling = INTERPRETER_TILING if interpreted else CUDA_TILING[hidden.dtype]
         rows, cols, depth = hidden.shape[0], weight.shape[0], hidden.shape[1]
-        logits = torch.empty((rows, cols), dtype=hidden.dtype, device=hidden.device)
+        logits = aligned_empty(rows, cols, hidden.dtype, hidden.device)
         if rows and cols:
             grid = (triton_cdiv(rows, tiling.block_m) * triton_cdiv(cols, tiling.block_n),)
             kernels_module.invariant_matmul_kernel[grid](
@@ -84,7 +84,7 @@ class TritonBackend:
         self, logits: torch.Tensor, local_targets: torch.Tensor, owned: torch.Tensor, sharding: ShardingSpec
     ) -> tuple[ShardPartials, NodeProvenance]:
         kernels_module, interpreted = _load_kernels(logits.device)
-        logits = logits.contiguous()
+        logits = aligned_rows(logits)
         rows, n_real = logits.shape
         lo, hi = sharding.shard
         n_tiles = (hi - lo) // sharding.vocab_tile
@@ -119,3 +119,30 @@ class TritonBackend:
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+# Triton compiles one variant per 16-divisibility of integer arguments and 16-byte alignment of
+# pointers, and the variant decides the load layout and with it the order of the in-tile sum. A
+# shard's logits (row stride = shard width) and the full vocab's (row stride = vocab) must reach the
+# same variant, so rows always start 16-element aligned.
+ROW_ALIGNMENT = 16
+
+
+def aligned_empty(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised [rows, cols] view whose row stride is a multiple of ROW_ALIGNMENT."""
+    stride = triton_cdiv(max(cols, 1), ROW_ALIGNMENT) * ROW_ALIGNMENT
+    return torch.empty((rows, stride), dtype=dtype, device=device)[:, :cols]
+
+
+def aligned_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` itself when its rows start aligned, else an aligned copy (same values)."""
+    element = logits.element_size()
+    if (
+        logits.stride(1) == 1
+        and logits.stride(0) % ROW_ALIGNMENT == 0
+        and logits.data_ptr() % (ROW_ALIGNMENT * element) == 0
+    ):
+        return logits
+    copy = aligned_empty(*logits.shape, logits.dtype, logits.device)
+    copy.copy_(logits)
+    return copy

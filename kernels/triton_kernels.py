@@ -29,8 +29,9 @@ def invariant_matmul_kernel(
     pid_m = first_m + (pid % group) % group_rows
     pid_n = (pid % group) // group_rows
 
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # int64 offsets: T * V exceeds 2**31 at real sizes (16384 x 151936).
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -59,7 +60,7 @@ def invariant_matmul_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["T", "n_real"])
+@triton.jit(do_not_specialize=["T", "n_real", "n_tiles"])
 def tile_partials_kernel(
     logits_ptr, max_ptr, sum_ptr, T, n_real, stride_t, n_tiles,
     ROWS: tl.constexpr, TILE: tl.constexpr,
@@ -67,7 +68,7 @@ def tile_partials_kernel(
     """Per (row, tile): fp32 max and sum(exp(x - max)) over TILE columns; padding is -inf."""
     pid_r = tl.program_id(0)
     tile = tl.program_id(1)
-    rows = pid_r * ROWS + tl.arange(0, ROWS)
+    rows = (pid_r * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tile * TILE + tl.arange(0, TILE)
     x = tl.load(
         logits_ptr + rows[:, None] * stride_t + cols[None, :],
