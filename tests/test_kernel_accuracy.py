@@ -1,0 +1,75 @@
+"""Every backend against the float64 reference, within the contract's forward_accuracy rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import LOGIT_STD, triton_runs_on
+
+import kernels
+from rlsweep.contract import load_contract
+
+CONTRACT = load_contract()
+CANDIDATES = ["aten", "triton", "control"]
+
+
+def assert_within_contract(result, reference, dtype: torch.dtype, seed: int) -> None:
+    for tensor in ("logp", "lse"):
+        tol = CONTRACT.tolerance("forward_accuracy", tensor, kernels.dtype_name(dtype))
+        got = getattr(result, tensor).double().cpu()
+        want = getattr(reference, tensor).cpu()
+        err = (got - want).abs()
+        bound = tol.atol + tol.rtol * want.abs()
+        worst = int((err - bound).argmax())
+        assert bool((err <= bound).all()), (
+            f"{tensor} off by {err[worst]:.3e} at row {worst} (bound {bound[worst]:.3e}, seed {seed})"
+        )
+
+
+@pytest.mark.parametrize("backend", CANDIDATES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    ("vocab", "vocab_tile"),
+    [(4096, 256), (3001, 256), (50257, 1024)],
+    ids=["multiple-of-tile", "ragged", "gpt2-vocab"],
+)
+def test_lm_head_logprob_matches_float64(backend, dtype, vocab, vocab_tile, device, make_inputs):
+    if backend == "triton" and not triton_runs_on(device):
+        pytest.skip("triton needs CUDA or TRITON_INTERPRET=1")
+    inp = make_inputs(24, 96, vocab, dtype, device)
+    reference = kernels.lm_head_logprob(inp.hidden, inp.weight, inp.targets, backend="reference")
+    logit_std = (inp.hidden.double() @ inp.weight.double().T).std().item()
+    assert LOGIT_STD * 0.75 < logit_std < LOGIT_STD * 1.25, "inputs are not at a realistic logit scale"
+
+    result = kernels.lm_head_logprob(inp.hidden, inp.weight, inp.targets, backend=backend, vocab_tile=vocab_tile)
+
+    assert result.logp.dtype == torch.float32 and result.lse.dtype == torch.float32
+    assert result.provenance.nodes["matmul"].out_dtype == kernels.dtype_name(dtype)
+    assert_within_contract(result, reference, dtype, inp.seed)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_aten_tp_is_accurate_and_its_bitwise_tp_invariance_is_recorded(tp, dtype, device, make_inputs, record_property):
+    inp = make_inputs(32, 64, 3001, dtype, device)
+    reference = kernels.lm_head_logprob(inp.hidden, inp.weight, inp.targets, backend="reference")
+    tp1 = kernels.lm_head_logprob(inp.hidden, inp.weight, inp.targets, backend="aten", vocab_tile=256)
+    sharded = kernels.lm_head_logprob(inp.hidden, inp.weight, inp.targets, backend="aten", tp=tp, vocab_tile=256)
+
+    assert_within_contract(sharded, reference, dtype, inp.seed)
+    # A finding, not a requirement: stock PyTorch's TP merge is a different reduction than log_softmax.
+    record_property("aten_tp_bitwise_logp", kernels.first_bit_difference(tp1.logp, sharded.logp) is None)
+    record_property("aten_tp_bitwise_lse", kernels.first_bit_difference(tp1.lse, sharded.lse) is None)
+
+
+def test_inactive_rows_get_zero_logp_and_no_owner(make_inputs):
+    inp = make_inputs(8, 64, 1000, torch.float32, "cpu")
+    inp.targets[[1, 5]] = kernels.IGNORE_INDEX
+    for backend in ("reference", "aten", "control"):
+        result = kernels.lm_head_logprob(inp.hidden, inp.weight, inp.targets, backend=backend, tp=2, vocab_tile=256)
+        assert result.active.tolist() == [i not in (1, 5) for i in range(8)]
+        assert result.logp[[1, 5]].tolist() == [0.0, 0.0]
+        assert result.owner_rank[[1, 5]].tolist() == [-1, -1]
+        assert bool((result.logp[result.active] < 0).all())
+        expected_owner = (inp.targets[result.active] >= 512).long()  # padded 1024 split in two at 512
+        assert torch.equal(result.owner_rank[result.active], expected_owner)
