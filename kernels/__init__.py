@@ -3,9 +3,38 @@
 Public API; everything else in this package is an implementation detail.
 """
 
-from kernels import aten, control, reference, triton_backend  # noqa: F401  (register the backends)
+from kernels import (  # noqa: F401  (register the backends)
+    aten,
+    builtin_capabilities,
+    control,
+    reference,
+    triton_backend,
+)
 from kernels.backend import BACKENDS, LogprobBackend, ShardPartials, register_backend
 from kernels.bitwise import bit_pattern, first_bit_difference
+from kernels.capability import ImplementationKind, LogprobBackendCapability
+from kernels.contract import (
+    PLATFORMS,
+    DeterminismScope,
+    LogprobContract,
+    LogprobContractError,
+    LogprobOutputSpec,
+    MaskMode,
+    MaskSpec,
+    MergeOrder,
+    ReductionSpec,
+)
+from kernels.dispatch import (
+    DispatchPolicy,
+    LogprobDispatchError,
+    LogprobOp,
+    RankAgreement,
+    get_logprob_op,
+    register_logprob_backend,
+    registered_logprob_backends,
+    resolve_logprob_backend,
+    unregister_logprob_backend,
+)
 from kernels.errors import (
     BackendUnavailableError,
     DtypeMismatchError,
@@ -16,7 +45,15 @@ from kernels.errors import (
     TPConfigError,
 )
 from kernels.lm_head import DEFAULT_VOCAB_TILE, TP_MODES, LogprobResult, lm_head_logprob, logprob, matmul
-from kernels.provenance import OP_NODES, NodeProvenance, Provenance, dtype_name, provenance_mismatches
+from kernels.provenance import (
+    OP_NODES,
+    NodeProvenance,
+    Provenance,
+    ProvenanceMismatchError,
+    dtype_name,
+    provenance_mismatches,
+    require_provenance,
+)
 from kernels.sharding import ShardingSpec, padded_vocab_size
 from kernels.validation import IGNORE_INDEX
 
@@ -25,15 +62,31 @@ __all__ = [
     "DEFAULT_VOCAB_TILE",
     "IGNORE_INDEX",
     "OP_NODES",
+    "PLATFORMS",
     "TP_MODES",
     "BackendUnavailableError",
+    "DeterminismScope",
+    "DispatchPolicy",
     "DtypeMismatchError",
+    "ImplementationKind",
     "KernelInputError",
     "LogprobBackend",
+    "LogprobBackendCapability",
+    "LogprobContract",
+    "LogprobContractError",
+    "LogprobDispatchError",
+    "LogprobOp",
+    "LogprobOutputSpec",
     "LogprobResult",
+    "MaskMode",
+    "MaskSpec",
+    "MergeOrder",
     "NodeProvenance",
     "NonFiniteInputError",
     "Provenance",
+    "ProvenanceMismatchError",
+    "RankAgreement",
+    "ReductionSpec",
     "ShapeMismatchError",
     "ShardPartials",
     "ShardingSpec",
@@ -42,10 +95,16 @@ __all__ = [
     "bit_pattern",
     "dtype_name",
     "first_bit_difference",
+    "get_logprob_op",
     "lm_head_logprob",
     "logprob",
     "matmul",
     "padded_vocab_size",
     "provenance_mismatches",
     "register_backend",
+    "register_logprob_backend",
+    "registered_logprob_backends",
+    "require_provenance",
+    "resolve_logprob_backend",
+    "unregister_logprob_backend",
 ]

@@ -71,3 +71,19 @@ def provenance_mismatches(required: dict[str, str], observed: Provenance) -> lis
                 f"node {node!r}: required backend {backend!r}, observed {ran.backend!r} (kernel {ran.kernel})"
             )
     return problems
+
+
+class ProvenanceMismatchError(RuntimeError):
+    """What ran is not what was required; ``mismatches`` holds one line per difference."""
+
+    def __init__(self, mismatches: list[str], observed: Provenance):
+        super().__init__("observed provenance differs from the required one:\n  " + "\n  ".join(mismatches))
+        self.mismatches = mismatches
+        self.observed = observed
+
+
+def require_provenance(required: dict[str, str], observed: Provenance) -> None:
+    """Raise ProvenanceMismatchError unless every required node ran on its required backend."""
+    problems = provenance_mismatches(required, observed)
+    if problems:
+        raise ProvenanceMismatchError(problems, observed)

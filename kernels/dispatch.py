@@ -1,0 +1,255 @@
+"""Capability-gated dispatch: a contract and a requested backend -> a bound op, or a typed refusal.
+
+Backends declare capabilities per platform with ``register_logprob_backend``. ``get_logprob_op``
+never falls back: it returns the op of the named backend, or (``"auto"``) of the first compatible
+production backend in registration order, or raises ``LogprobDispatchError`` listing every
+candidate and why it was rejected. The op checks at run time that what ran is what it was bound to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+
+from kernels.backend import BACKENDS
+from kernels.capability import ImplementationKind, LogprobBackendCapability
+from kernels.contract import PLATFORMS, LogprobContract, LogprobContractError
+from kernels.errors import DtypeMismatchError, KernelInputError, ShapeMismatchError
+from kernels.lm_head import LogprobResult, lm_head_logprob
+from kernels.provenance import OP_NODES, ProvenanceMismatchError, dtype_name, provenance_mismatches
+from kernels.sharding import ShardingSpec
+
+
+class DispatchPolicy(str, Enum):
+    """How the backend was chosen; ``requested_backend="auto"`` is AUTO, a backend id is EXPLICIT."""
+
+    EXPLICIT = "explicit"
+    AUTO = "auto"
+
+
+class LogprobDispatchError(RuntimeError):
+    """No backend may run the contract; ``rejections`` maps each candidate to its reasons."""
+
+    def __init__(self, message: str, rejections: dict[str, list[str]]):
+        lines = [message, *(f"  {backend}: {'; '.join(reasons)}" for backend, reasons in rejections.items())]
+        super().__init__("\n".join(lines))
+        self.rejections = rejections
+
+
+@dataclass(frozen=True)
+class RankAgreement:
+    """What every rank all-gathered and found equal before a tp > 1 ``auto`` dispatch."""
+
+    fingerprint: str
+    backend_id: str
+
+
+# platform -> backend id -> capability, in registration order (the order ``auto`` tries them in).
+_CAPABILITIES: dict[str, dict[str, LogprobBackendCapability]] = {platform: {} for platform in PLATFORMS}
+
+
+def register_logprob_backend(
+    platform: str, backend_id: str, capability: LogprobBackendCapability, *, replace: bool = False
+) -> None:
+    """Declare what ``backend_id`` honours on ``platform``; other platforms are untouched."""
+    registry = _platform_registry(platform)
+    if not isinstance(backend_id, str) or not backend_id or backend_id != backend_id.strip():
+        raise LogprobContractError(
+            f"backend_id must be a non-empty string without surrounding spaces; got {backend_id!r}"
+        )
+    if backend_id in {policy.value for policy in DispatchPolicy}:
+        raise LogprobContractError(f"backend_id {backend_id!r} is a dispatch policy name and cannot name a backend")
+    if not isinstance(capability, LogprobBackendCapability):
+        raise LogprobContractError(f"capability must be a LogprobBackendCapability; got {capability!r}")
+    if backend_id in registry and not replace:
+        raise LogprobContractError(
+            f"backend {backend_id!r} is already registered on {platform!r}; pass replace=True to redeclare it"
+        )
+    registry[backend_id] = capability
+
+
+def unregister_logprob_backend(platform: str, backend_id: str) -> LogprobBackendCapability:
+    """Remove ``backend_id`` from ``platform`` and return the capability it had."""
+    registry = _platform_registry(platform)
+    if backend_id not in registry:
+        raise LogprobContractError(f"backend {backend_id!r} is not registered on {platform!r}")
+    return registry.pop(backend_id)
+
+
+def registered_logprob_backends(platform: str) -> dict[str, LogprobBackendCapability]:
+    """A copy of ``platform``'s declarations, in registration order."""
+    return dict(_platform_registry(platform))
+
+
+def _platform_registry(platform: str) -> dict[str, LogprobBackendCapability]:
+    if platform not in _CAPABILITIES:
+        raise LogprobContractError(f"platform must be one of {', '.join(PLATFORMS)}; got {platform!r}")
+    return _CAPABILITIES[platform]
+
+
+@dataclass(frozen=True)
+class LogprobOp:
+    """hidden[T, H], weight[V, H], targets[T] -> LogprobResult, run by one backend bound to one contract."""
+
+    contract: LogprobContract
+    backend_id: str
+    capability: LogprobBackendCapability
+    policy: DispatchPolicy
+
+    @property
+    def tp(self) -> int:
+        return self.contract.sharding.world_size
+
+    @property
+    def vocab_tile(self) -> int:
+        return self.contract.reduction.vocab_tile
+
+    @property
+    def required_nodes(self) -> dict[str, str]:
+        """Every op node must run on the bound backend."""
+        return dict.fromkeys(OP_NODES, self.backend_id)
+
+    def __call__(
+        self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, tp_mode: str = "emulated"
+    ) -> LogprobResult:
+        """Run the bound backend; raise ProvenanceMismatchError if anything else ran."""
+        self._check_inputs(hidden, weight)
+        result = lm_head_logprob(
+            hidden, weight, targets, backend=self.backend_id, tp=self.tp, tp_mode=tp_mode, vocab_tile=self.vocab_tile
+        )
+        self.require_observed(result)
+        return result
+
+    def observed_mismatches(self, result: LogprobResult) -> list[str]:
+        """One line per way the observed run differs from this op's binding; empty when it matches."""
+        observed = result.provenance
+        problems = provenance_mismatches(self.required_nodes, observed)
+        if observed.tp != self.tp:
+            problems.append(f"tp: required {self.tp}, observed {observed.tp}")
+        for name in ("logp", "lse"):
+            ran = dtype_name(getattr(result, name).dtype)
+            if ran != self.contract.output.dtype:
+                problems.append(f"{name} dtype: required {self.contract.output.dtype!r}, observed {ran!r}")
+        for node in observed.nodes.values():
+            # device_name() appends the GPU model after a space: "cuda:0 (NVIDIA H200)".
+            if torch.device(node.device.split(" ")[0]).type != self.contract.platform:
+                problems.append(
+                    f"node {node.node!r}: required platform {self.contract.platform!r}, observed device {node.device!r}"
+                )
+        return problems
+
+    def require_observed(self, result: LogprobResult) -> None:
+        """Raise ProvenanceMismatchError unless ``result`` was produced as this op is bound to produce it."""
+        problems = self.observed_mismatches(result)
+        if problems:
+            raise ProvenanceMismatchError(problems, result.provenance)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The dispatch decision, for run records: who was chosen, how, under which declaration."""
+        return {
+            "backend_id": self.backend_id,
+            "policy": self.policy.value,
+            "capability": self.capability.to_dict(),
+            "contract_fingerprint": self.contract.cross_rank_fingerprint(),
+            "contract": self.contract.to_dict(),
+        }
+
+    def _check_inputs(self, hidden: torch.Tensor, weight: torch.Tensor) -> None:
+        contract = self.contract
+        if hidden.device.type != contract.platform:
+            raise KernelInputError(f"hidden is on {hidden.device}, but the contract runs on {contract.platform!r}")
+        if dtype_name(hidden.dtype) != contract.dtype:
+            raise DtypeMismatchError(f"hidden has dtype {hidden.dtype}, but the contract requires {contract.dtype!r}")
+        if weight.dim() != 2 or weight.shape[0] != contract.sharding.vocab_size:
+            raise ShapeMismatchError(
+                f"weight must be [V, H] with V={contract.sharding.vocab_size} (the contract's vocab), "
+                f"got shape {tuple(weight.shape)}"
+            )
+
+
+def get_logprob_op(
+    contract: LogprobContract, requested_backend: str, *, agreement: RankAgreement | None = None
+) -> LogprobOp:
+    """The op of ``requested_backend`` (a backend id or ``"auto"``) bound to ``contract``."""
+    policy = DispatchPolicy.AUTO if requested_backend == DispatchPolicy.AUTO.value else DispatchPolicy.EXPLICIT
+    tp = contract.sharding.world_size
+    if policy is DispatchPolicy.AUTO and tp > 1 and agreement is None:
+        # Each rank resolves "auto" against its own registry and machine; unchecked, ranks may diverge.
+        raise LogprobDispatchError(
+            f"requested_backend='auto' is refused for tp={tp} without a RankAgreement: all-gather "
+            "(contract.cross_rank_fingerprint(), resolve_logprob_backend(contract, 'auto')) across ranks, "
+            "check they are equal, and pass agreement=RankAgreement(fingerprint, backend_id); or name the backend",
+            {},
+        )
+    backend_id, capability = _resolve(contract, requested_backend, policy)
+    if agreement is not None:
+        _check_agreement(contract, backend_id, agreement)
+    return LogprobOp(contract, backend_id, capability, policy)
+
+
+def resolve_logprob_backend(contract: LogprobContract, requested_backend: str) -> str:
+    """The backend id ``get_logprob_op`` would bind on this rank, for the cross-rank preflight."""
+    policy = DispatchPolicy.AUTO if requested_backend == DispatchPolicy.AUTO.value else DispatchPolicy.EXPLICIT
+    return _resolve(contract, requested_backend, policy)[0]
+
+
+def _resolve(
+    contract: LogprobContract, requested_backend: str, policy: DispatchPolicy
+) -> tuple[str, LogprobBackendCapability]:
+    here = _CAPABILITIES[contract.platform]
+    if policy is DispatchPolicy.AUTO:
+        candidates = list(dict.fromkeys([*here, *(b for p in PLATFORMS for b in _CAPABILITIES[p])]))
+    else:
+        candidates = [requested_backend]
+    rejections = {backend: _rejections(contract, backend, policy) for backend in candidates}
+    for backend in candidates:
+        if not rejections[backend]:
+            return backend, here[backend]
+    summary = (
+        f"no logprob backend for requested_backend={requested_backend!r} under contract "
+        f"{contract.cross_rank_fingerprint()[:12]} (tp={contract.sharding.world_size}, dtype={contract.dtype}, "
+        f"platform={contract.platform}, determinism_scope={contract.reduction.determinism_scope.value}, "
+        f"merge_order={contract.reduction.merge_order.value}, mask={contract.mask.mode.value}); "
+        f"candidates and why each was rejected:"
+    )
+    raise LogprobDispatchError(summary, rejections)
+
+
+def _rejections(contract: LogprobContract, backend: str, policy: DispatchPolicy) -> list[str]:
+    platform = contract.platform
+    capability = _CAPABILITIES[platform].get(backend)
+    if capability is None:
+        elsewhere = [p for p in PLATFORMS if backend in _CAPABILITIES[p]]
+        where = f"registered on: {', '.join(elsewhere)}" if elsewhere else "registered on no platform"
+        return [f"not registered on platform {platform!r} ({where})"]
+    reasons = []
+    if platform == "cuda" and not torch.cuda.is_available():
+        reasons.append("platform 'cuda' is unavailable on this machine (torch.cuda.is_available() is False)")
+    if backend not in BACKENDS:
+        reasons.append(f"no implementation named {backend!r} in kernels.BACKENDS")
+    sharding = contract.sharding
+    even = ShardingSpec.even(sharding.vocab_size, sharding.vocab_tile, sharding.world_size, sharding.rank)
+    if sharding != even:
+        reasons.append(f"sharding bounds {sharding.bounds} are not the even split lm_head_logprob runs {even.bounds}")
+    if policy is DispatchPolicy.AUTO and capability.implementation_kind is not ImplementationKind.PRODUCTION:
+        reasons.append(f"implementation kind {capability.implementation_kind.value!r} is only run when named")
+    return reasons + capability.incompatibilities(contract)
+
+
+def _check_agreement(contract: LogprobContract, backend_id: str, agreement: RankAgreement) -> None:
+    if not isinstance(agreement, RankAgreement):
+        raise LogprobContractError(f"agreement must be a RankAgreement; got {agreement!r}")
+    fingerprint = contract.cross_rank_fingerprint()
+    if agreement.fingerprint != fingerprint:
+        raise LogprobDispatchError(
+            f"the ranks agreed on contract fingerprint {agreement.fingerprint!r}, but this rank's is {fingerprint!r}",
+            {},
+        )
+    if agreement.backend_id != backend_id:
+        raise LogprobDispatchError(
+            f"the ranks agreed on backend {agreement.backend_id!r}, but this rank resolved {backend_id!r}",
+            {backend_id: [f"differs from the agreed backend {agreement.backend_id!r}"]},
+        )

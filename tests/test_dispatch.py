@@ -1,0 +1,333 @@
+"""Capability-gated dispatch: typed refusals with every candidate's reasons, and observed provenance."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import triton_runs_on
+
+import kernels
+
+VOCAB, TILE = 200, 16
+SCOPE, ORDER, MASK = kernels.DeterminismScope, kernels.MergeOrder, kernels.MaskMode
+FIXED = {"determinism_scope": SCOPE.FIXED_TOPOLOGY, "merge_order": ORDER.RANK_SHARD}
+
+
+@pytest.fixture(autouse=True)
+def restore_registry():
+    """Every platform's declarations as they were before the test, restored through the public API."""
+    saved = {platform: kernels.registered_logprob_backends(platform) for platform in kernels.PLATFORMS}
+    yield
+    for platform, declared in saved.items():
+        for backend in kernels.registered_logprob_backends(platform):
+            kernels.unregister_logprob_backend(platform, backend)
+        for backend, capability in declared.items():
+            kernels.register_logprob_backend(platform, backend, capability)
+
+
+def contract(tp: int = 2, **overrides) -> kernels.LogprobContract:
+    kwargs = {"dtype": torch.float32, "platform": "cpu", **overrides}
+    return kernels.LogprobContract.even(VOCAB, TILE, tp, **kwargs)
+
+
+def permissive(**overrides) -> kernels.LogprobBackendCapability:
+    """A capability that honours the default contract, with one field narrowed by the caller."""
+    fields = {
+        "implementation_kind": kernels.ImplementationKind.PRODUCTION,
+        "dtypes": {kernels.dtype_name(d) for d in (torch.bfloat16, torch.float32)},
+        "determinism_scopes": set(kernels.DeterminismScope),
+        "merge_orders": set(kernels.MergeOrder),
+        **overrides,
+    }
+    return kernels.LogprobBackendCapability(**fields)
+
+
+def inputs(rows: int = 5, hidden: int = 8, vocab: int = VOCAB, dtype: torch.dtype = torch.float32):
+    gen = torch.Generator().manual_seed(0)
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+    targets[1] = kernels.IGNORE_INDEX
+    return (
+        torch.randn(rows, hidden, generator=gen).to(dtype),
+        torch.randn(vocab, hidden, generator=gen).to(dtype),
+        targets,
+    )
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """Register backend id "fake" on cpu with a given capability, its code being aten's."""
+    monkeypatch.setitem(kernels.BACKENDS, "fake", kernels.BACKENDS["aten"])
+
+    def declare(capability: kernels.LogprobBackendCapability) -> None:
+        kernels.register_logprob_backend("cpu", "fake", capability)
+
+    return declare
+
+
+# (a capability narrowed in one field, a contract outside it, the one reason dispatch must give)
+REJECTIONS = {
+    "dtype": (permissive(dtypes={"bfloat16"}), contract(), "dtype 'float32' unsupported (supports bfloat16)"),
+    "tp size": (permissive(tp_sizes={1, 4}), contract(tp=2), "tp=2 unsupported (supports 1, 4)"),
+    "mask mode": (
+        permissive(),
+        contract(mask=kernels.MaskSpec(kernels.MaskMode.ACTIVE_MASK, None)),
+        f"mask mode '{MASK.ACTIVE_MASK.value}' unsupported (supports {MASK.IGNORE_INDEX.value})",
+    ),
+    "ignore_index": (
+        permissive(),
+        contract(mask=kernels.MaskSpec(ignore_index=-1)),
+        "ignore_index=-1 unsupported (the backend uses -100)",
+    ),
+    "determinism scope": (
+        permissive(determinism_scopes={kernels.DeterminismScope.FIXED_TOPOLOGY}),
+        contract(),
+        f"determinism scope '{SCOPE.CROSS_TP_BITWISE.value}' not guaranteed (guarantees {SCOPE.FIXED_TOPOLOGY.value})",
+    ),
+    "merge order": (
+        permissive(merge_orders={kernels.MergeOrder.RANK_SHARD}),
+        contract(determinism_scope=kernels.DeterminismScope.FIXED_TOPOLOGY),
+        f"merge order '{ORDER.GLOBAL_TILE.value}' unsupported (merges {ORDER.RANK_SHARD.value})",
+    ),
+    "partial dtype": (
+        permissive(partial_dtype="float64"),
+        contract(),
+        "partial dtype 'float32' unsupported (computes 'float64')",
+    ),
+    "output dtype": (
+        permissive(),
+        contract(output=kernels.LogprobOutputSpec(dtype="float64")),
+        "output dtype 'float64' unsupported (returns 'float32')",
+    ),
+    "vocab padding": (
+        permissive(supports_vocab_padding=False),
+        contract(),
+        f"vocab padding ({VOCAB} -> {kernels.padded_vocab_size(VOCAB, TILE, 2)} columns) unsupported",
+    ),
+    "lse export": (
+        permissive(exports_lse=False),
+        contract(),
+        "lse export requested but the backend does not export lse",
+    ),
+}
+
+
+@pytest.mark.parametrize("reason", REJECTIONS)
+def test_each_incompatibility_is_the_one_reason_given(reason, fake):
+    capability, wanted, message = REJECTIONS[reason]
+    fake(capability)
+    with pytest.raises(kernels.LogprobDispatchError, match=re.escape(f"fake: {message}")) as err:
+        kernels.get_logprob_op(wanted, "fake")
+    assert err.value.rejections == {"fake": [message]}
+
+
+def test_a_backend_that_fits_is_bound_with_the_capability_it_was_chosen_under(fake):
+    fake(permissive())
+    op = kernels.get_logprob_op(contract(), "fake")
+    assert (op.backend_id, op.policy, op.tp, op.vocab_tile) == ("fake", kernels.DispatchPolicy.EXPLICIT, 2, TILE)
+    assert op.capability == permissive()
+    record = op.to_dict()
+    assert record["contract_fingerprint"] == contract().cross_rank_fingerprint()
+    assert (record["policy"], record["backend_id"]) == (kernels.DispatchPolicy.EXPLICIT.value, "fake")
+
+
+def test_platform_rejection_names_where_the_backend_is_registered():
+    kernels.register_logprob_backend("cuda", "cuda_only", permissive())
+    with pytest.raises(
+        kernels.LogprobDispatchError, match=re.escape("not registered on platform 'cpu' (registered on: cuda)")
+    ):
+        kernels.get_logprob_op(contract(), "cuda_only")
+    with pytest.raises(
+        kernels.LogprobDispatchError,
+        match=re.escape("nonesuch: not registered on platform 'cpu' (registered on no platform)"),
+    ):
+        kernels.get_logprob_op(contract(), "nonesuch")
+
+
+def test_registration_on_one_platform_does_not_leak_into_another():
+    cpu_before = kernels.registered_logprob_backends("cpu")
+    kernels.register_logprob_backend("cuda", "cuda_only", permissive())
+    kernels.register_logprob_backend("cuda", "aten", permissive(tp_sizes={1}), replace=True)
+    assert kernels.registered_logprob_backends("cpu") == cpu_before
+    assert "cuda_only" in kernels.registered_logprob_backends("cuda")
+    assert kernels.registered_logprob_backends("cuda")["aten"].tp_sizes == {1}
+    assert kernels.get_logprob_op(contract(**FIXED), "aten").capability == cpu_before["aten"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_cuda_contract_on_a_machine_without_cuda_is_refused():
+    with pytest.raises(kernels.LogprobDispatchError, match=r"triton: platform 'cuda' is unavailable"):
+        kernels.get_logprob_op(contract(platform="cuda"), "triton")
+
+
+def test_a_backend_without_an_implementation_is_refused():
+    kernels.register_logprob_backend("cpu", "unbuilt", permissive())
+    with pytest.raises(kernels.LogprobDispatchError, match=r"unbuilt: no implementation named 'unbuilt'"):
+        kernels.get_logprob_op(contract(), "unbuilt")
+
+
+def test_a_split_lm_head_logprob_does_not_run_is_refused(fake):
+    fake(permissive())
+    even = contract()
+    lo, hi = even.sharding.bounds[0]
+    uneven = replace(even.sharding, bounds=((lo, hi + TILE), (hi + TILE, even.sharding.padded_vocab_size)))
+    with pytest.raises(kernels.LogprobDispatchError, match=re.escape(f"sharding bounds {uneven.bounds}")):
+        kernels.get_logprob_op(replace(even, sharding=uneven), "fake")
+
+
+@pytest.mark.parametrize(
+    ("backend_id", "value"), [("auto", "'auto'"), ("explicit", "'explicit'"), (" aten", "' aten'"), ("", "''")]
+)
+def test_registration_refuses_ids_that_are_policies_or_blank(backend_id, value):
+    with pytest.raises(kernels.LogprobContractError, match=re.escape(value)):
+        kernels.register_logprob_backend("cpu", backend_id, permissive())
+
+
+def test_registration_refuses_unknown_platform_duplicates_and_non_capabilities():
+    with pytest.raises(kernels.LogprobContractError, match="'rocm'"):
+        kernels.register_logprob_backend("rocm", "fake", permissive())
+    with pytest.raises(kernels.LogprobContractError, match="'aten' is already registered on 'cpu'"):
+        kernels.register_logprob_backend("cpu", "aten", permissive())
+    with pytest.raises(kernels.LogprobContractError, match=r"capability must be .*\{'dtypes'"):
+        kernels.register_logprob_backend("cpu", "fake", {"dtypes": ["float32"]})
+    with pytest.raises(kernels.LogprobContractError, match="'nonesuch' is not registered on 'cpu'"):
+        kernels.unregister_logprob_backend("cpu", "nonesuch")
+
+
+def test_builtin_capabilities_are_truthful():
+    assert kernels.get_logprob_op(contract(tp=4), "triton").backend_id == "triton"
+    with pytest.raises(
+        kernels.LogprobDispatchError, match=f"aten: determinism scope '{SCOPE.CROSS_TP_BITWISE.value}' not guaranteed"
+    ):
+        kernels.get_logprob_op(contract(), "aten")
+    with pytest.raises(
+        kernels.LogprobDispatchError, match=f"control: determinism scope '{SCOPE.CROSS_TP_BITWISE.value}' not"
+    ):
+        kernels.get_logprob_op(contract(), "control")
+    with pytest.raises(kernels.LogprobDispatchError, match=r"reference: .*output dtype 'float32' unsupported"):
+        kernels.get_logprob_op(contract(**FIXED), "reference")
+    float64_out = contract(**FIXED, partial_dtype=torch.float64, output=kernels.LogprobOutputSpec(dtype="float64"))
+    assert kernels.get_logprob_op(float64_out, "reference").backend_id == "reference"
+
+
+def test_control_runs_when_named_and_never_under_auto():
+    op = kernels.get_logprob_op(contract(tp=1, **FIXED), "control")
+    result = op(*inputs())
+    assert result.provenance.nodes["logprob"].kernel.startswith("control.")
+    assert kernels.resolve_logprob_backend(contract(tp=1, **FIXED), "auto") == "aten"
+    kernels.unregister_logprob_backend("cpu", "aten")
+    with pytest.raises(
+        kernels.LogprobDispatchError,
+        match=f"control: implementation kind '{kernels.ImplementationKind.NEGATIVE_CONTROL.value}' is only run",
+    ):
+        kernels.get_logprob_op(contract(tp=1, **FIXED), "auto")
+
+
+def test_auto_failure_lists_every_candidate_with_its_reasons():
+    kernels.register_logprob_backend("cuda", "cuda_only", permissive())
+    wanted = contract(tp=1, output=kernels.LogprobOutputSpec(dtype="float64"))
+    with pytest.raises(kernels.LogprobDispatchError) as err:
+        kernels.get_logprob_op(wanted, "auto")
+    assert list(err.value.rejections) == [*kernels.registered_logprob_backends("cpu"), "cuda_only"]
+    assert all(err.value.rejections.values())
+    assert "output dtype 'float64' unsupported" in "; ".join(err.value.rejections["triton"])
+
+
+def test_auto_is_refused_for_tp_above_one_without_a_rank_agreement():
+    with pytest.raises(kernels.LogprobDispatchError, match="requested_backend='auto' is refused for tp=2"):
+        kernels.get_logprob_op(contract(tp=2), "auto")
+    assert kernels.get_logprob_op(contract(tp=1), "auto").backend_id == "triton"
+
+
+def test_auto_with_a_checked_rank_agreement_binds_the_agreed_backend():
+    per_rank = [contract(tp=2, rank=r) for r in range(2)]
+    gathered = {(c.cross_rank_fingerprint(), kernels.resolve_logprob_backend(c, "auto")) for c in per_rank}
+    assert len(gathered) == 1
+    agreement = kernels.RankAgreement(*gathered.pop())
+    op = kernels.get_logprob_op(per_rank[1], "auto", agreement=agreement)
+    assert (op.backend_id, op.policy) == ("triton", kernels.DispatchPolicy.AUTO)
+
+
+def test_a_rank_agreement_that_does_not_hold_is_refused():
+    wanted = contract(tp=2)
+    other = contract(tp=2, dtype=torch.bfloat16).cross_rank_fingerprint()
+    with pytest.raises(kernels.LogprobDispatchError, match=f"fingerprint '{other}'"):
+        kernels.get_logprob_op(wanted, "auto", agreement=kernels.RankAgreement(other, "triton"))
+    agreed_aten = kernels.RankAgreement(wanted.cross_rank_fingerprint(), "aten")
+    with pytest.raises(kernels.LogprobDispatchError, match="agreed on backend 'aten', but this rank resolved 'triton'"):
+        kernels.get_logprob_op(wanted, "auto", agreement=agreed_aten)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_op_runs_lm_head_logprob_and_checks_what_ran(tp):
+    hidden, weight, targets = inputs()
+    result = kernels.get_logprob_op(contract(tp=tp, **FIXED), "aten")(hidden, weight, targets)
+    direct = kernels.lm_head_logprob(hidden, weight, targets, backend="aten", tp=tp, vocab_tile=TILE)
+    assert kernels.first_bit_difference(result.logp, direct.logp) is None
+    assert kernels.first_bit_difference(result.lse, direct.lse) is None
+    assert {n.backend for n in result.provenance.nodes.values()} == {"aten"}
+    assert result.provenance.tp == tp
+
+
+def test_the_op_refuses_inputs_outside_its_contract():
+    op = kernels.get_logprob_op(contract(**FIXED), "aten")
+    hidden, weight, targets = inputs()
+    with pytest.raises(kernels.DtypeMismatchError, match=re.escape("torch.bfloat16")):
+        op(hidden.bfloat16(), weight.bfloat16(), targets)
+    with pytest.raises(kernels.ShapeMismatchError, match=rf"V={VOCAB}.*\(150, 8\)"):
+        op(hidden, weight[:150], targets.clamp(max=149))
+
+
+def test_a_fake_triton_running_aten_code_is_caught_by_the_provenance_comparison(monkeypatch):
+    aten = kernels.BACKENDS["aten"]
+
+    class AtenDressedAsTriton:
+        id = "triton"
+
+        def __getattr__(self, name):
+            return getattr(aten, name)
+
+    monkeypatch.setitem(kernels.BACKENDS, "triton", AtenDressedAsTriton())
+    op = kernels.get_logprob_op(contract(tp=2), "triton")
+    with pytest.raises(
+        kernels.ProvenanceMismatchError, match="node 'matmul': required backend 'triton', observed 'aten'"
+    ) as err:
+        op(*inputs())
+    assert len(err.value.mismatches) == len(kernels.OP_NODES)
+    assert {n.backend for n in err.value.observed.nodes.values()} == {"aten"}
+    # The orchestrator's own comparison, against a profile's required nodes, sees the same thing.
+    result = kernels.lm_head_logprob(*inputs(), backend="triton", tp=2, vocab_tile=TILE)
+    with pytest.raises(kernels.ProvenanceMismatchError, match="node 'tp_merge': required backend 'triton'"):
+        kernels.require_provenance(dict.fromkeys(kernels.OP_NODES, "triton"), result.provenance)
+
+
+def test_every_observed_difference_is_reported():
+    op = kernels.get_logprob_op(contract(**FIXED), "aten")
+    result = op(*inputs())
+    nodes = dict(result.provenance.nodes)
+    nodes["matmul"] = replace(nodes["matmul"], device="cuda:0 (NVIDIA H200)")
+    del nodes["tp_merge"]
+    forged = replace(
+        result,
+        logp=result.logp.double(),
+        provenance=replace(result.provenance, nodes=nodes, tp=1),
+    )
+    problems = op.observed_mismatches(forged)
+    assert problems == [
+        "node 'tp_merge': required backend 'aten', observed nothing (the node did not run)",
+        "tp: required 2, observed 1",
+        "logp dtype: required 'float32', observed 'float64'",
+        "node 'matmul': required platform 'cpu', observed device 'cuda:0 (NVIDIA H200)'",
+    ]
+    with pytest.raises(kernels.ProvenanceMismatchError, match="tp: required 2, observed 1"):
+        op.require_observed(forged)
+
+
+@pytest.mark.skipif(not triton_runs_on("cpu"), reason="Triton interpreter is off")
+def test_the_triton_op_passes_its_own_provenance_check_at_tp_2():
+    hidden, weight, targets = inputs(rows=2, hidden=16, vocab=40)
+    wanted = kernels.LogprobContract.even(40, TILE, 2, dtype=torch.float32, platform="cpu")
+    result = kernels.get_logprob_op(wanted, "triton")(hidden, weight, targets)
+    assert {n.kernel for n in result.provenance.nodes.values()} >= {"triton.ordered_tile_merge"}
