@@ -1,0 +1,58 @@
+"""Where a run ran: device, library versions and the git commit, recorded in every table's metadata."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+
+def git_commit() -> str | None:
+    """HEAD of the checkout rlsweep was imported from, with a '+dirty' mark; None outside git."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=PACKAGE_ROOT, capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=PACKAGE_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def device_info(device: str) -> dict[str, Any]:
+    if device == "cuda" and torch.cuda.is_available():
+        return {
+            "name": torch.cuda.get_device_name(0),
+            "capability": ".".join(map(str, torch.cuda.get_device_capability(0))),
+            "count": torch.cuda.device_count(),
+            "cuda": torch.version.cuda,
+        }
+    return {"name": platform.processor() or platform.machine(), "capability": None, "threads": torch.get_num_threads()}
+
+
+def environment(device: str) -> dict[str, Any]:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:  # pragma: no cover - triton is a dependency
+        triton_version = None
+    return {
+        "device": device_info(device),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "git_commit": git_commit(),
+    }

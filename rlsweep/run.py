@@ -1,0 +1,254 @@
+"""One run: config -> workload -> layout cells -> kernel calls -> judgments -> tables."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+import kernels
+from rlsweep.config import DEVICES
+from rlsweep.contract import CONTRACT_DTYPES, DETERMINISM_SCOPES, Contract, contract_from_mapping
+from rlsweep.environment import environment
+from rlsweep.errors import ConfigError
+from rlsweep.execute import CellResult, Filler, KernelSettings, run_cell, run_reference
+from rlsweep.judgments import (
+    Verdict,
+    apply_expected,
+    chain_aggregates,
+    check_expected,
+    contract_verdict,
+    forward_accuracy,
+    forward_invariance,
+    provenance_verdict,
+    smoke,
+    weight_pin_verdict,
+)
+from rlsweep.layouts import check_layout, filler_rows_needed, plan_cells
+from rlsweep.model import build_lm_head, check_geometry, config_fingerprint
+from rlsweep.tables import (
+    CHECKS_SCHEMA,
+    CHECKS_TABLE,
+    TOKENS_SCHEMA,
+    TOKENS_TABLE,
+    build_table,
+    check_writable,
+    with_metadata,
+    write_run_tables,
+)
+from rlsweep.workload import build_workload
+
+EXECUTION_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+assert set(EXECUTION_DTYPES) == set(CONTRACT_DTYPES)
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    directory: Path
+    run_id: str
+    verdicts: list[Verdict]
+
+    @property
+    def unexpected(self) -> list[Verdict]:
+        return [verdict for verdict in self.verdicts if not verdict.as_expected]
+
+    @property
+    def exit_code(self) -> int:
+        """0 when every verdict is as expected, 2 otherwise (SPEC §2)."""
+        return 2 if self.unexpected else 0
+
+
+def validate(cfg: DictConfig) -> None:
+    """Everything that can be rejected before any tensor is made, with the offending value named."""
+    profile = cfg.profile
+    if cfg.tp < 1:
+        raise ConfigError(f"tp must be an integer >= 1, got {cfg.tp!r}")
+    if cfg.tp_mode not in kernels.TP_MODES:
+        raise ConfigError(f"tp_mode={cfg.tp_mode!r} is not one of {', '.join(kernels.TP_MODES)}")
+    if profile.backend_family not in kernels.BACKENDS or profile.backend_family == "reference":
+        families = sorted(set(kernels.BACKENDS) - {"reference"})
+        raise ConfigError(
+            f"profile {profile.name!r}: backend_family={profile.backend_family!r} is not one of {families}"
+        )
+    checks = {
+        "device": (profile.device, DEVICES),
+        "execution_dtype": (profile.execution_dtype, tuple(EXECUTION_DTYPES)),
+        "determinism_scope": (profile.determinism_scope, DETERMINISM_SCOPES),
+    }
+    for key, (value, valid) in checks.items():
+        if value not in valid:
+            raise ConfigError(f"profile {profile.name!r}: {key}={value!r} is not one of {', '.join(valid)}")
+    unknown_nodes = sorted(set(profile.required_nodes) - set(kernels.OP_NODES))
+    if unknown_nodes or not profile.required_nodes:
+        raise ConfigError(
+            f"profile {profile.name!r}: required_nodes {dict(profile.required_nodes)} must name a backend for "
+            f"op nodes among {list(kernels.OP_NODES)}"
+        )
+    check_expected(profile.expected_red)
+    check_layout(cfg.layout)
+    check_geometry(cfg.model)
+    check_tp_geometry(cfg.model.vocab_size, profile.vocab_tile, cfg.tp)
+
+
+def check_tp_geometry(vocab_size: int, vocab_tile: int, tp: int) -> None:
+    """Every rank must own at least one real vocab column; otherwise the tp cannot be served."""
+    padded = kernels.padded_vocab_size(vocab_size, vocab_tile, tp)
+    width = padded // tp
+    if (tp - 1) * width >= vocab_size:
+        largest = max(
+            t
+            for t in range(1, tp)
+            if (t - 1) * (kernels.padded_vocab_size(vocab_size, vocab_tile, t) // t) < vocab_size
+        )
+        raise ConfigError(
+            f"tp={tp} cannot be served: vocab {vocab_size} in tiles of {vocab_tile} pads to {padded}, so rank "
+            f"{tp - 1} would hold only padding columns; with this model and profile use tp <= {largest}"
+        )
+
+
+def check_distributed_devices(cfg: DictConfig) -> None:
+    if cfg.tp_mode == "distributed" and cfg.profile.device == "cuda" and torch.cuda.device_count() < cfg.tp:
+        raise ConfigError(
+            f"tp_mode=distributed with tp={cfg.tp} needs {cfg.tp} GPUs (one rank each); "
+            f"this machine has {torch.cuda.device_count()}"
+        )
+
+
+def run_id_of(config: dict[str, Any]) -> str:
+    """Stable id of a resolved config: a re-run of the same config has the same id."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def prepare_backend(profile: DictConfig) -> None:
+    """Triton on the CPU runs in its interpreter, which must be chosen before its kernels are imported."""
+    if profile.backend_family == "triton" and profile.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+        # The interpreter evaluates masked (-inf) lanes too and warns about them; the kernel masks the results.
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
+
+
+def execute(cfg: DictConfig, directory: Path) -> RunOutcome:
+    """Run every cell of the layout, judge, write both tables; bad input raises RlsweepError/KernelInputError."""
+    started = datetime.now(timezone.utc).isoformat()
+    config = OmegaConf.to_container(cfg, resolve=True)
+    contract = contract_from_mapping(config["contract"], source=f"contract {cfg.contract.version}")
+    validate(cfg)
+    check_writable(directory)
+    profile = cfg.profile
+    required = dict(profile.required_nodes)
+    run = {
+        "run_id": run_id_of(config),
+        "profile": profile.name,
+        "backend_family": profile.backend_family,
+        "device": profile.device,
+        "tp": cfg.tp,
+        "tp_mode": cfg.tp_mode,
+        "model": cfg.model.name,
+        "config_fingerprint": config_fingerprint(cfg.model),
+        "weight_hash": "",
+        "workload": cfg.workload.name,
+        "contract_version": contract.version,
+        "contract_sha256": contract.sha256,
+    }
+    verdicts = [contract_verdict(contract)]
+    observed: dict[str, Any] = {}
+    results: list[CellResult] = []
+    reference = None
+    workload = None
+    if profile.device == "cuda" and not torch.cuda.is_available():
+        why = (
+            f"profile {profile.name!r} requires device 'cuda' but torch.cuda.is_available() is False here "
+            f"(torch {torch.__version__}); observed device: cpu; nothing ran, no fallback"
+        )
+        verdicts.append(provenance_verdict("", required, [], profile.backend_family, error=why))
+    else:
+        check_distributed_devices(cfg)
+        prepare_backend(profile)
+        dtype = EXECUTION_DTYPES[profile.execution_dtype]
+        head = build_lm_head(cfg.model, dtype=dtype, device=torch.device(profile.device))
+        run["weight_hash"] = head.weight_hash
+        verdicts.append(weight_pin_verdict(cfg.model.weight_sha256, head.weight_hash))
+        workload = build_workload(cfg.workload, cfg.model, head.weight, seed=cfg.seed, dtype=dtype)
+        cells = plan_cells(cfg.layout, workload)
+        filler = Filler(*workload.filler(filler_rows_needed(cells), cfg.model.vocab_size))
+        reference = run_reference(cells[0], workload, head.weight, filler, profile.vocab_tile)
+        observed["reference"] = unique_provenance(reference)
+        settings = KernelSettings(profile.backend_family, cfg.tp, cfg.tp_mode, profile.vocab_tile)
+        for cell in cells:
+            try:
+                results.append(run_cell(cell, workload, head.weight, filler, settings))
+            except kernels.BackendUnavailableError as err:
+                verdicts.append(provenance_verdict(cell.name, required, [], profile.backend_family, error=str(err)))
+                break
+        for result in results:
+            observed[result.cell.name] = unique_provenance(result)
+            verdicts.append(provenance_verdict(result.cell.name, required, result.provenance, profile.backend_family))
+        verdicts += judge(results, reference, workload, contract, profile.execution_dtype)
+    verdicts = apply_expected(verdicts, list(profile.expected_red))
+    metadata = {
+        "config": config,
+        "contract": dict(contract.document),
+        "observed_provenance": observed,
+        "environment": environment(profile.device),
+        "started": started,
+        "finished": datetime.now(timezone.utc).isoformat(),
+    }
+    tokens = tokens_table(run, results, reference, workload)
+    checks = build_table(CHECKS_SCHEMA, run, checks_columns(verdicts), len(verdicts))
+    write_run_tables(
+        directory, {TOKENS_TABLE: with_metadata(tokens, metadata), CHECKS_TABLE: with_metadata(checks, metadata)}
+    )
+    return RunOutcome(directory, run["run_id"], verdicts)
+
+
+def judge(results: list[CellResult], reference: CellResult, workload, contract: Contract, dtype: str) -> list[Verdict]:
+    if not results:
+        return []
+    canonical = results[0]
+    verdicts = []
+    for result in results:
+        verdicts += forward_accuracy(result, reference, workload, contract, dtype)
+    for result in results[1:]:
+        verdicts += forward_invariance(result, canonical, workload, contract, dtype)
+    verdicts += chain_aggregates(canonical, reference, workload, contract, dtype)
+    verdicts += smoke(canonical, workload, (contract.roles_for("forward_accuracy")[0], "invariants"))
+    return verdicts
+
+
+def unique_provenance(result: CellResult) -> list[dict[str, Any]]:
+    """The distinct provenance records of a cell's calls (usually one)."""
+    seen: dict[str, dict[str, Any]] = {}
+    for provenance in result.provenance:
+        record = provenance.to_dict()
+        seen.setdefault(json.dumps(record, sort_keys=True, default=str), record)
+    return list(seen.values())
+
+
+def tokens_table(run, results: list[CellResult], reference: CellResult | None, workload):
+    """One row per (cell, sample_id, position)."""
+    columns: dict[str, list] = {name: [] for name in TOKENS_SCHEMA.names}
+    for result in results:
+        count = workload.num_tokens
+        columns["cell"] += [result.cell.name] * count
+        columns["sample_id"] += workload.sample_ids.tolist()
+        columns["position"] += workload.positions.tolist()
+        columns["target_id"] += workload.targets.cpu().tolist()
+        columns["active"] += workload.active.tolist()
+        columns["logp"] += result.logp.float().tolist()
+        columns["lse"] += result.lse.float().tolist()
+        columns["ref_logp"] += reference.logp.double().tolist()
+        columns["owner_rank"] += result.owner_rank.tolist()
+    return build_table(TOKENS_SCHEMA, run, columns, len(columns["cell"]))
+
+
+def checks_columns(verdicts: list[Verdict]) -> dict[str, list]:
+    names = [name for name in CHECKS_SCHEMA.names if name in Verdict.__dataclass_fields__]
+    return {name: [getattr(verdict, name) for verdict in verdicts] for name in names}

@@ -1,0 +1,179 @@
+"""The logical tokens of a run, keyed by (sample_id, position) and stored in canonical packed order (SPEC §4.3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+import kernels
+from rlsweep.config import WORKLOAD_SOURCES, ModelConfig, WorkloadConfig
+from rlsweep.errors import ConfigError, ReplayInputError
+from rlsweep.synthetic import normal_matrix, uniform
+
+POSITION_BITS = 24  # counter key of a token: sample_id << POSITION_BITS | position
+REPLAY_TENSORS = ("hidden_states", "target_ids", "seq_lens")
+REPLAY_OPTIONAL = ("active_mask",)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Every logical token once, samples concatenated in sample order (the canonical packing).
+
+    ``hidden`` [T, H] in the execution dtype; ``targets`` [T] int64 with kernels.IGNORE_INDEX on
+    inactive (prompt) rows; ``active`` [T] bool; ``sample_ids``/``positions`` [T] int64 on the CPU.
+    """
+
+    name: str
+    seed: int
+    sample_ids: torch.Tensor
+    positions: torch.Tensor
+    hidden: torch.Tensor
+    targets: torch.Tensor
+    active: torch.Tensor
+    seq_lens: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.sample_ids.shape[0])
+
+    def sample_rows(self, sample: int) -> torch.Tensor:
+        """Logical row indices of one sample, in position order."""
+        start = sum(self.seq_lens[:sample])
+        return torch.arange(start, start + self.seq_lens[sample])
+
+    def filler(self, count: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``count`` unrelated rows: hidden [count, H] from their own stream and uniform targets [count]."""
+        ids = torch.arange(count, dtype=torch.int64, device=self.hidden.device)
+        hidden = normal_matrix(
+            self.seed, "filler_hidden", ids, self.hidden.shape[1], scale=1.0, dtype=self.hidden.dtype
+        )
+        draws = uniform(self.seed, "filler_target", ids[:, None].cpu(), torch.zeros(1, 1, dtype=torch.int64))[:, 0]
+        targets = (draws * vocab_size).to(torch.int64).clamp_max(vocab_size - 1)
+        return hidden, targets.to(self.hidden.device)
+
+
+def build_workload(
+    config: WorkloadConfig, model: ModelConfig, weight: torch.Tensor, *, seed: int, dtype: torch.dtype
+) -> Workload:
+    if config.source not in WORKLOAD_SOURCES:
+        raise ConfigError(f"workload.source={config.source!r} is not one of {', '.join(WORKLOAD_SOURCES)}")
+    if config.source == "replay":
+        return replay_workload(config, model, device=weight.device, seed=seed, dtype=dtype)
+    return synthetic_workload(config, weight, seed=seed, dtype=dtype)
+
+
+def token_keys(sample_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return (sample_ids << POSITION_BITS) | positions
+
+
+def synthetic_workload(config: WorkloadConfig, weight: torch.Tensor, *, seed: int, dtype: torch.dtype) -> Workload:
+    """Hidden states from (seed, sample_id, position); completion targets sampled from the model itself."""
+    check_lengths(config)
+    sample_ids = torch.cat([torch.full((n,), s, dtype=torch.int64) for s, n in enumerate(config.seq_lens)])
+    positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in config.seq_lens])
+    active = torch.cat([torch.arange(n) >= p for n, p in zip(config.seq_lens, config.prompt_lens, strict=True)])
+    keys = token_keys(sample_ids, positions)
+    hidden = normal_matrix(seed, "hidden", keys.to(weight.device), weight.shape[1], scale=1.0, dtype=dtype)
+    targets = torch.full_like(sample_ids, kernels.IGNORE_INDEX)
+    targets[active] = sample_targets(hidden[active.to(hidden.device)], weight, keys[active], seed=seed)
+    return Workload(
+        config.name, seed, sample_ids, positions, hidden, targets.to(weight.device), active, tuple(config.seq_lens)
+    )
+
+
+def sample_targets(hidden: torch.Tensor, weight: torch.Tensor, keys: torch.Tensor, *, seed: int) -> torch.Tensor:
+    """Inverse-CDF sampling from float64 softmax(hidden @ weight.T), one counter-based uniform per token."""
+    logits = hidden.double() @ weight.double().T
+    cdf = torch.softmax(logits, dim=-1).cpu().cumsum(dim=-1)
+    draws = uniform(seed, "target", keys[:, None], torch.zeros(1, 1, dtype=torch.int64))
+    picked = torch.searchsorted(cdf, draws * cdf[:, -1:])[:, 0]
+    return picked.clamp_max(weight.shape[0] - 1)
+
+
+def check_lengths(config: WorkloadConfig) -> None:
+    seq, prompt = list(config.seq_lens), list(config.prompt_lens)
+    if not seq or len(seq) != len(prompt):
+        raise ConfigError(
+            f"workload {config.name!r}: seq_lens {seq} and prompt_lens {prompt} must be non-empty and of one length"
+        )
+    for sample, (n, p) in enumerate(zip(seq, prompt, strict=True)):
+        if n < 1 or not 0 <= p < n:
+            raise ConfigError(
+                f"workload {config.name!r}: sample {sample} has seq_len={n}, prompt_len={p}; "
+                "need seq_len >= 1 and 0 <= prompt_len < seq_len (at least one completion token)"
+            )
+
+
+def replay_workload(
+    config: WorkloadConfig, model: ModelConfig, *, device: torch.device, seed: int, dtype: torch.dtype
+) -> Workload:
+    """Captured tensors from a safetensors file, every tensor validated before use."""
+    tensors = read_replay_file(config.path)
+    hidden, targets, seq_lens = tensors["hidden_states"], tensors["target_ids"], tensors["seq_lens"]
+    where = f"replay file {config.path!r}"
+    if hidden.dim() != 2 or hidden.shape[1] != model.hidden_size or not hidden.is_floating_point():
+        raise ReplayInputError(
+            f"{where}: hidden_states must be a floating [T, {model.hidden_size}] tensor (model.hidden_size), "
+            f"got {hidden.dtype} {tuple(hidden.shape)}"
+        )
+    rows = hidden.shape[0]
+    for name in ("target_ids", "seq_lens"):
+        if tensors[name].dtype != torch.int64 or tensors[name].dim() != 1:
+            raise ReplayInputError(
+                f"{where}: {name} must be a 1-D int64 tensor, got {tensors[name].dtype} {tuple(tensors[name].shape)}"
+            )
+    if targets.shape[0] != rows:
+        raise ReplayInputError(f"{where}: target_ids has {targets.shape[0]} rows but hidden_states has {rows}")
+    if bool((seq_lens < 1).any()) or int(seq_lens.sum()) != rows:
+        raise ReplayInputError(f"{where}: seq_lens {seq_lens.tolist()} must be >= 1 and sum to T={rows}")
+    active = tensors.get("active_mask")
+    if active is None:
+        active = torch.ones(rows, dtype=torch.bool)
+    elif active.dtype != torch.bool or tuple(active.shape) != (rows,):
+        raise ReplayInputError(f"{where}: active_mask must be bool [{rows}], got {active.dtype} {tuple(active.shape)}")
+    bad = (targets < 0) | (targets >= model.vocab_size)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ReplayInputError(
+            f"{where}: target_ids[{row}] = {int(targets[row])} is outside [0, {model.vocab_size}) (model.vocab_size)"
+        )
+    finite = torch.isfinite(hidden)
+    if not bool(finite.all()):
+        row, col = (int(i) for i in (~finite).nonzero()[0])
+        raise ReplayInputError(f"{where}: hidden_states[{row}, {col}] = {hidden[row, col].item()} is not finite")
+    lens = tuple(int(n) for n in seq_lens)
+    sample_ids = torch.repeat_interleave(torch.arange(len(lens)), seq_lens)
+    positions = torch.cat([torch.arange(n) for n in lens])
+    kernel_targets = torch.where(active, targets, kernels.IGNORE_INDEX)
+    return Workload(
+        config.name,
+        seed,
+        sample_ids,
+        positions,
+        hidden.to(device=device, dtype=dtype),
+        kernel_targets.to(device),
+        active,
+        lens,
+    )
+
+
+def read_replay_file(path: str | None) -> dict[str, torch.Tensor]:
+    if not path:
+        raise ConfigError("workload=replay needs workload.path (a local .safetensors file)")
+    if not Path(path).is_file():
+        raise ReplayInputError(f"replay file {path!r} does not exist (workload.path)")
+    try:
+        with safe_open(path, framework="pt") as handle:
+            names = set(handle.keys())
+            missing = [name for name in REPLAY_TENSORS if name not in names]
+            if missing:
+                raise ReplayInputError(
+                    f"replay file {path!r} is missing {missing}; it must hold {list(REPLAY_TENSORS)} "
+                    f"and optionally {list(REPLAY_OPTIONAL)}, found {sorted(names)}"
+                )
+            return {name: handle.get_tensor(name) for name in (*REPLAY_TENSORS, *REPLAY_OPTIONAL) if name in names}
+    except SafetensorError as err:
+        raise ReplayInputError(f"replay file {path!r} is not a readable safetensors file: {err}") from err
