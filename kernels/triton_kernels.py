@@ -16,7 +16,7 @@ def invariant_matmul_kernel(
     a_ptr, b_ptr, c_ptr, M, N, K,
     stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
+    GROUP_M: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """c[M, N] = a[M, K] @ b[N, K].T with one fixed tiling, no split-K and K walked in order."""
     pid = tl.program_id(0)
@@ -46,12 +46,13 @@ def invariant_matmul_kernel(
             mask=(rn[None, :] < N) & (kk[:, None] < K),
             other=0.0,
         )
-        if UPCAST:
-            # bf16 products are exact in fp32, so upcasting keeps the math of an fp32-accumulating
-            # bf16 dot; the CPU interpreter needs it because its bf16 dot is wrong.
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+        if INTERPRETED:
+            # The interpreter's tl.dot is numpy's BLAS, whose bits for a row depend on the row's place in
+            # the block (seen: row 252 of 257) and whose bf16 path is wrong. A broadcast product summed over
+            # K in order is exact per product (bf16 * bf16 fits fp32) and position independent.
+            acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+        else:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
     c = acc.to(c_ptr.dtype.element_ty)
     tl.store(
         c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
