@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+import kernels
 from rlsweep.errors import ContractError
 
 CONTRACT_JUDGMENTS = (
@@ -38,9 +39,6 @@ CONTRACT_DTYPES = ("bfloat16", "float32")
 CHAIN_METRICS = ("max_abs_dlogp", "approx_kl0", "clipfrac0")
 PIN_KEY = "expected_sha256"
 DEFAULT_CONTRACT = "v1"
-
-# Same-width integer views, so bitwise comparison sees -0.0 vs 0.0 and NaN payloads.
-BIT_VIEWS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16}
 
 
 @dataclass(frozen=True)
@@ -68,8 +66,8 @@ class Tolerance:
         if self.mode == "bitwise":
             if lhs.dtype != rhs.dtype:
                 raise ContractError(f"bitwise comparison needs one dtype, got {lhs.dtype} and {rhs.dtype}")
-            view = BIT_VIEWS[lhs.dtype]
-            return lhs.contiguous().view(view) != rhs.contiguous().view(view)
+            # Bit patterns, so -0.0 vs 0.0 and NaN payloads count as differences.
+            return kernels.bit_pattern(lhs) != kernels.bit_pattern(rhs)
         diff = (lhs.double() - rhs.double()).abs()
         within = diff <= self.atol + self.rtol * rhs.double().abs()
         return ~within

@@ -42,7 +42,7 @@ from rlsweep.tables import (
     build_table,
     check_writable,
     with_metadata,
-    write_run_tables,
+    write_tables,
 )
 from rlsweep.workload import build_workload
 
@@ -203,7 +203,7 @@ def execute(cfg: DictConfig, directory: Path) -> RunOutcome:
     }
     tokens = tokens_table(run, results, reference, workload)
     checks = build_table(CHECKS_SCHEMA, run, checks_columns(verdicts), len(verdicts))
-    write_run_tables(
+    write_tables(
         directory, {TOKENS_TABLE: with_metadata(tokens, metadata), CHECKS_TABLE: with_metadata(checks, metadata)}
     )
     return RunOutcome(directory, run["run_id"], verdicts)

@@ -1,7 +1,7 @@
 """Parquet tables of one run (SPEC §4.10), written atomically, with the run's JSON metadata.
 
 A run directory is complete when both tables exist: they are written to temporary files in the
-same folder and renamed only after both were written, checks last.
+same folder and renamed only after both were written, checks last (``run_is_complete``).
 """
 
 from __future__ import annotations
@@ -97,18 +97,25 @@ def check_writable(directory: Path) -> None:
         raise OutputDirError(f"output directory {str(directory)!r} cannot be written: {err.strerror or err}") from err
 
 
-def write_run_tables(directory: Path, tables: Mapping[str, pa.Table]) -> None:
-    """Write every table to a temporary file, then rename all; on any error nothing is left behind."""
+def write_tables(directory: Path, tables: Mapping[str, pa.Table], *, text: Mapping[str, str] | None = None) -> None:
+    """Write every table (and text file) to a temporary file, then rename them in the given order.
+
+    On any error nothing new is left behind; the last name renamed is the completion marker.
+    """
     check_writable(directory)
+    text = text or {}
     temporaries: dict[str, str] = {}
     renamed: list[Path] = []
     try:
-        for name in RUN_TABLES:
+        for name in [*text, *tables]:
             handle, temporary = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
             os.close(handle)
             temporaries[name] = temporary
-            pq.write_table(tables[name], temporary)
-        for name in RUN_TABLES:
+            if name in text:
+                Path(temporary).write_text(text[name])
+            else:
+                pq.write_table(tables[name], temporary)
+        for name in temporaries:
             os.replace(temporaries[name], directory / name)
             renamed.append(directory / name)
     except BaseException:
