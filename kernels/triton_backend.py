@@ -33,8 +33,9 @@ CUDA_TILING = {
     torch.bfloat16: MatmulTiling(128, 128, 64, 8, 8, 3),
     torch.float32: MatmulTiling(128, 64, 32, 8, 8, 3),
 }
-INTERPRETER_TILING = MatmulTiling(32, 256, 32, 8, 4, 1)
-PARTIAL_ROWS = 4  # rows per program of the tile-partials kernel
+INTERPRETER_TILING = MatmulTiling(64, 256, 64, 8, 4, 1)  # 64*64*256 products: under the 2**20 block cap
+PARTIAL_ROWS = 4  # rows per program of the tile-partials kernel (compiled)
+INTERPRETER_PARTIAL_ROWS = 64  # the interpreter pays per program, not per row
 MERGE_ROWS = 128  # rows per program of the ordered merge
 
 
@@ -89,16 +90,17 @@ class TritonBackend:
         n_tiles = (hi - lo) // sharding.vocab_tile
         maxes = torch.empty((rows, n_tiles), dtype=torch.float32, device=logits.device)
         sums = torch.empty_like(maxes)
+        rows_per_program = INTERPRETER_PARTIAL_ROWS if interpreted else PARTIAL_ROWS
         if rows:
-            grid = (triton_cdiv(rows, PARTIAL_ROWS), n_tiles)
+            grid = (triton_cdiv(rows, rows_per_program), n_tiles)
             kernels_module.tile_partials_kernel[grid](
                 logits, maxes, sums, rows, n_real, logits.stride(0), n_tiles,
-                ROWS=PARTIAL_ROWS, TILE=sharding.vocab_tile,
+                ROWS=rows_per_program, TILE=sharding.vocab_tile,
             )  # fmt: skip
         target = gather_target_logit(logits, local_targets, owned).float()
         return ShardPartials(maxes, sums, target, owned), observe(
             "logprob", self.id, "triton.tile_partials", sums,
-            vocab_tile=sharding.vocab_tile, rows_per_program=PARTIAL_ROWS, interpreted=interpreted,
+            vocab_tile=sharding.vocab_tile, rows_per_program=rows_per_program, interpreted=interpreted,
         )  # fmt: skip
 
     def merge(self, partials: Sequence[ShardPartials]) -> tuple[torch.Tensor, NodeProvenance]:
