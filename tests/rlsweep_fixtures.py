@@ -1,0 +1,44 @@
+"""Helpers shared by the rlsweep tests: composing configs and running ``python -m rlsweep``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from hydra import compose, initialize_config_module
+from omegaconf import DictConfig
+
+from rlsweep.config import register_configs
+from rlsweep.tables import RUN_TABLES
+
+register_configs()
+
+
+def compose_run(*overrides: str) -> DictConfig:
+    """The run config exactly as ``python -m rlsweep <overrides>`` composes it."""
+    with initialize_config_module("conf", version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+@dataclass
+class Completed:
+    returncode: int
+    stdout: str
+    stderr: str
+    directory: Path
+
+
+def run_rlsweep(directory: Path, *overrides: str) -> Completed:
+    """A real ``python -m rlsweep`` subprocess writing into ``directory``."""
+    command = [sys.executable, "-m", "rlsweep", f"hydra.run.dir={directory}", *overrides]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    return Completed(done.returncode, done.stdout, done.stderr, directory)
+
+
+def tables_left(directory: Path) -> list[str]:
+    """Run tables (or their temporaries) present in ``directory``."""
+    if not directory.exists():
+        return []
+    return sorted(p.name for p in directory.iterdir() if any(name in p.name for name in RUN_TABLES))

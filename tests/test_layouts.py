@@ -1,0 +1,82 @@
+"""Layout cells: every logical token exactly once, restored to logical order, row counts as configured."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rlsweep_fixtures import compose_run
+
+import kernels
+from rlsweep.layouts import CANONICAL_CELL, CELL_KINDS, DECODE_CELL, needle_cell_name, plan_cells, restore_logical_order
+from rlsweep.model import build_lm_head
+from rlsweep.run import EXECUTION_DTYPES
+from rlsweep.workload import build_workload
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return compose_run("layout=full")
+
+
+@pytest.fixture(scope="module")
+def workload(cfg):
+    dtype = EXECUTION_DTYPES[cfg.profile.execution_dtype]
+    head = build_lm_head(cfg.model, dtype=dtype, device=torch.device("cpu"))
+    return build_workload(cfg.workload, cfg.model, head.weight, seed=cfg.seed, dtype=dtype)
+
+
+@pytest.fixture(scope="module")
+def cells(cfg, workload):
+    return {cell.name: cell for cell in plan_cells(cfg.layout, workload)}
+
+
+def test_full_layout_covers_every_cell_kind(cfg, cells):
+    assert set(cfg.layout.cells) == set(CELL_KINDS)
+    expected = {kind for kind in CELL_KINDS if kind != "needle"}
+    expected |= {needle_cell_name(n.m, n.pos) for n in cfg.layout.needles}
+    assert set(cells) == expected
+    assert next(iter(cells)) == CANONICAL_CELL
+
+
+def test_every_cell_restores_logical_order(cells, workload):
+    keys = (workload.sample_ids * 1000 + workload.positions).double()
+    for cell in cells.values():
+        per_call = []
+        for call in cell.calls:
+            rows = torch.where(call.logical >= 0, call.logical, 0)
+            per_call.append(torch.where(call.logical >= 0, keys[rows], -1.0))
+        assert torch.equal(restore_logical_order(cell, per_call, workload.num_tokens), keys), cell.name
+
+
+def test_chunked_cells_use_the_configured_chunk_size(cfg, cells, workload):
+    size = cfg.layout.chunk_size
+    b1 = cells["B1/chunked"].call_rows
+    assert max(b1) == size
+    assert len(b1) == sum(-(-n // size) for n in workload.seq_lens)
+    bn = cells["BN/chunked"].call_rows
+    assert len(bn) == -(-max(workload.seq_lens) // size) and sum(bn) == workload.num_tokens
+
+
+def test_decode_calls_shrink_as_samples_finish(cells, workload):
+    prefill, *steps = cells[DECODE_CELL].call_rows
+    assert prefill == int((~workload.active).sum())
+    assert steps[0] == len(workload.seq_lens) and steps == sorted(steps, reverse=True)
+    assert sum(steps) == int(workload.active.sum())
+
+
+def test_padded_and_needle_cells_have_the_configured_row_counts(cfg, cells, workload):
+    assert cells["BN/pad_right"].call_rows == (len(workload.seq_lens) * max(workload.seq_lens),)
+    for needle in cfg.layout.needles:
+        assert cells[needle_cell_name(needle.m, needle.pos)].call_rows == (needle.m + workload.num_tokens,)
+
+
+def test_hidden_states_depend_only_on_seed_sample_and_position(cfg, workload):
+    shorter = compose_run("workload.seq_lens=[9,16]", "workload.prompt_lens=[8,8]")
+    dtype = EXECUTION_DTYPES[cfg.profile.execution_dtype]
+    head = build_lm_head(cfg.model, dtype=dtype, device=torch.device("cpu"))
+    other = build_workload(shorter.workload, shorter.model, head.weight, seed=cfg.seed, dtype=dtype)
+    for row in range(other.num_tokens):
+        sample, position = int(other.sample_ids[row]), int(other.positions[row])
+        logical = int(workload.sample_rows(sample)[position])
+        assert torch.equal(other.hidden[row], workload.hidden[logical])
+    assert bool((workload.targets[~workload.active] == kernels.IGNORE_INDEX).all())

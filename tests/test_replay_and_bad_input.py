@@ -1,0 +1,174 @@
+"""Replay files judged against float64 answers, and every single-run bad input of SPEC §5."""
+
+from __future__ import annotations
+
+import re
+
+import pandas as pd
+import pytest
+import torch
+from rlsweep_fixtures import compose_run, run_rlsweep, tables_left
+from safetensors.torch import save_file
+
+from rlsweep.contract import load_contract
+from rlsweep.errors import ConfigError, ContractError, OutputDirError, ReplayInputError
+from rlsweep.run import execute
+from rlsweep.tables import TOKENS_TABLE
+
+HIDDEN, VOCAB, SEQ_LENS = 32, 1500, [6, 9, 5]
+
+
+def replay_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    rows = sum(SEQ_LENS)
+    weight = (torch.randn(VOCAB, HIDDEN, generator=gen) * 4.0 / HIDDEN**0.5).to(torch.bfloat16)
+    hidden = torch.randn(rows, HIDDEN, generator=gen).to(torch.bfloat16)
+    return {
+        "weight": weight,
+        "hidden_states": hidden,
+        "target_ids": torch.randint(0, VOCAB, (rows,), generator=gen),
+        "seq_lens": torch.tensor(SEQ_LENS, dtype=torch.int64),
+        "active_mask": torch.arange(rows) % 3 != 0,
+    }
+
+
+def write_replay(directory, tensors: dict[str, torch.Tensor]) -> list[str]:
+    save_file({"lm_head.weight": tensors["weight"]}, directory / "head.safetensors")
+    save_file({k: v for k, v in tensors.items() if k != "weight"}, directory / "capture.safetensors")
+    return [
+        "model=replay",
+        "workload=replay",
+        f"model.hidden_size={HIDDEN}",
+        f"model.vocab_size={VOCAB}",
+        f"model.weights.path={directory / 'head.safetensors'}",
+        f"workload.path={directory / 'capture.safetensors'}",
+    ]
+
+
+def test_replay_logp_matches_float64_answers_within_the_contract(tmp_path):
+    tensors = replay_tensors()
+    overrides = write_replay(tmp_path, tensors)
+    done = run_rlsweep(tmp_path / "run", *overrides, "layout=smoke")
+    assert done.returncode == 0, done.stdout + done.stderr
+    logits = tensors["hidden_states"].double() @ tensors["weight"].double().T
+    answers = logits.gather(1, tensors["target_ids"][:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+    tokens = pd.read_parquet(tmp_path / "run" / TOKENS_TABLE)
+    row = load_contract().tolerance("forward_accuracy", "logp", compose_run().profile.execution_dtype)
+    for _, cell in tokens.groupby("cell"):
+        cell = cell.sort_values(["sample_id", "position"])
+        active = torch.tensor(cell.active.to_numpy())
+        assert torch.equal(active, tensors["active_mask"])
+        logp = torch.tensor(cell.logp.to_numpy(), dtype=torch.float64)
+        assert row.check(logp[active], answers[active]).passed
+        assert torch.allclose(torch.tensor(cell.ref_logp.to_numpy())[active], answers[active], rtol=0, atol=1e-9)
+
+
+def mutate(name: str, value) -> dict[str, torch.Tensor]:
+    tensors = replay_tensors()
+    if value is None:
+        del tensors[name]
+    elif callable(value):
+        tensors[name] = value(tensors[name])
+    return tensors
+
+
+def poke(index, value):
+    def edit(tensor):
+        tensor = tensor.clone()
+        tensor[index] = value
+        return tensor
+
+    return edit
+
+
+REPLAY_BAD_INPUTS = {
+    "missing tensor": (mutate("target_ids", None), "missing ['target_ids']"),
+    "wrong hidden shape": (mutate("hidden_states", lambda t: t[:, :-1].contiguous()), "hidden_states must be"),
+    "wrong target dtype": (mutate("target_ids", lambda t: t.to(torch.int32)), "target_ids must be a 1-D int64"),
+    "target >= vocab": (mutate("target_ids", poke(4, VOCAB)), f"target_ids[4] = {VOCAB}"),
+    "target < 0": (mutate("target_ids", poke(2, -7)), "target_ids[2] = -7"),
+    "seq_lens do not sum": (mutate("seq_lens", poke(0, 1)), "must be >= 1 and sum to"),
+    "NaN hidden": (mutate("hidden_states", poke((3, 5), float("nan"))), "hidden_states[3, 5] = nan"),
+    "Inf weight": (mutate("weight", poke((7, 1), float("inf"))), "holds inf at index (7, 1)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REPLAY_BAD_INPUTS))
+def test_bad_replay_input_names_the_value_and_leaves_no_table(tmp_path, case):
+    tensors, message = REPLAY_BAD_INPUTS[case]
+    cfg = compose_run(*write_replay(tmp_path, tensors), "layout=smoke")
+    with pytest.raises(ReplayInputError, match=re.escape(message)):
+        execute(cfg, tmp_path / "run")
+    assert tables_left(tmp_path / "run") == []
+
+
+CONFIG_BAD_INPUTS = {
+    "tp < 1": (["tp=0"], ConfigError, "tp must be an integer >= 1, got 0"),
+    "tp the geometry cannot serve": (["tp=16"], ConfigError, "tp=16 cannot be served"),
+    "chunk_size < 1": (["layout.chunk_size=0"], ConfigError, "layout.chunk_size must be >= 1, got 0"),
+    "needle outside its call": (["layout.needles=[{m: 4, pos: 9}]"], ConfigError, "m=4 pos=9"),
+    "require_all false": (["contract.chain_logprob_aggregates.require_all=false"], ContractError, "require_all"),
+    "non-bitwise invariance row": (
+        ["contract.judgments.forward_invariance.rows.lse.bfloat16.atol=0.01"],
+        ContractError,
+        "forward_invariance.rows.lse.bfloat16",
+    ),
+    "weight file missing": (["model.weights.kind=file", "model.weights.path=/nonexistent.st"], ReplayInputError,
+                            "/nonexistent.st"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_BAD_INPUTS))
+def test_bad_config_names_the_value_and_leaves_no_table(tmp_path, case):
+    overrides, error, message = CONFIG_BAD_INPUTS[case]
+    with pytest.raises(error, match=re.escape(message)):
+        execute(compose_run("layout=smoke", *overrides), tmp_path)
+    assert tables_left(tmp_path) == []
+
+
+def test_unwritable_tables_dir_is_a_usage_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(OutputDirError, match="cannot be written"):
+        execute(compose_run("layout=smoke"), blocker / "run")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pinned"),
+    [(["model.weight_sha256=0000"], "pinned weight_sha256 0000"), (["contract.expected_sha256=0000"], "pinned 0000")],
+)
+def test_pinned_hash_mismatch_is_red(tmp_path, overrides, pinned):
+    outcome = execute(compose_run("layout=smoke", *overrides), tmp_path)
+    assert outcome.exit_code == 2
+    assert [v.detail.startswith(pinned) for v in outcome.unexpected] == [True]
+
+
+def test_distributed_tp_needs_a_gpu_per_rank(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cfg = compose_run("profile=triton_cuda_bf16", "tp=2", "tp_mode=distributed", "layout=smoke")
+    with pytest.raises(ConfigError, match="needs 2 GPUs"):
+        execute(cfg, tmp_path)
+    assert tables_left(tmp_path) == []
+
+
+CLI_BAD_INPUTS = {
+    "unknown group option": (["profile=nope"], 1, "Available options in 'profile'"),
+    "wrong type": (["tp=two"], 1, "Value 'two' of type 'str' could not be converted to Integer"),
+    "tp < 1": (["tp=0"], 1, "tp must be an integer >= 1, got 0"),
+    "CUDA profile without CUDA": (["profile=cuda_bf16"], 2, "requires device 'cuda'"),
+    "unwritable run dir": (["hydra.run.dir=/dev/null/run"], 1, "'/dev/null' is a file, not a directory"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLI_BAD_INPUTS))
+def test_cli_bad_input_exit_code_and_one_paragraph(tmp_path, case):
+    overrides, code, message = CLI_BAD_INPUTS[case]
+    if code == 2 and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    done = run_rlsweep(tmp_path, "layout=smoke", *overrides)
+    assert done.returncode == code
+    assert message in done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    if code == 1:
+        assert tables_left(tmp_path) == []

@@ -1,0 +1,99 @@
+"""End-to-end runs of ``python -m rlsweep``: tables, verdicts, expected reds and exit codes."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+from rlsweep_fixtures import compose_run, run_rlsweep
+
+from rlsweep.layouts import CANONICAL_CELL, plan_cells
+from rlsweep.model import build_lm_head
+from rlsweep.run import EXECUTION_DTYPES
+from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, TOKENS_SCHEMA, TOKENS_TABLE, read_metadata, run_is_complete
+from rlsweep.workload import build_workload
+
+
+def expected_cells(*overrides: str) -> list[str]:
+    cfg = compose_run(*overrides)
+    dtype = EXECUTION_DTYPES[cfg.profile.execution_dtype]
+    head = build_lm_head(cfg.model, dtype=dtype, device=torch.device("cpu"))
+    workload = build_workload(cfg.workload, cfg.model, head.weight, seed=cfg.seed, dtype=dtype)
+    return [cell.name for cell in plan_cells(cfg.layout, workload)], workload.num_tokens
+
+
+def read(directory):
+    return pd.read_parquet(directory / TOKENS_TABLE), pd.read_parquet(directory / CHECKS_TABLE)
+
+
+def assert_bitwise_across_cells(tokens: pd.DataFrame) -> None:
+    canonical = tokens[tokens.cell == CANONICAL_CELL].set_index(["sample_id", "position"])
+    for cell, rows in tokens.groupby("cell"):
+        rows = rows.set_index(["sample_id", "position"]).loc[canonical.index]
+        for column in ("logp", "lse"):
+            lhs = torch.tensor(rows[column].to_numpy()).view(torch.int32)
+            rhs = torch.tensor(canonical[column].to_numpy()).view(torch.int32)
+            assert torch.equal(lhs, rhs), (cell, column)
+
+
+def test_default_run_writes_both_tables_and_passes(tmp_path):
+    done = run_rlsweep(tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert run_is_complete(tmp_path)
+    tokens, checks = read(tmp_path)
+    assert list(tokens.columns) == TOKENS_SCHEMA.names and list(checks.columns) == CHECKS_SCHEMA.names
+    cells, num_tokens = expected_cells()
+    assert sorted(tokens.cell.unique()) == sorted(cells)
+    assert len(tokens) == len(cells) * num_tokens
+    assert not tokens.duplicated(["cell", "sample_id", "position"]).any()
+    assert checks.passed.all() and checks.expected_pass.all()
+    assert (checks.contract_sha256 == checks.contract_sha256.iloc[0]).all()
+    metadata = read_metadata(tmp_path / CHECKS_TABLE)
+    assert {"config", "contract", "observed_provenance", "environment", "started", "finished"} <= set(metadata)
+    assert metadata["environment"]["torch"] == torch.__version__
+
+
+def test_triton_smoke_layout_is_bitwise_across_cells(tmp_path):
+    done = run_rlsweep(tmp_path, "profile=triton_cpu_bf16", "layout=smoke")
+    assert done.returncode == 0, done.stdout + done.stderr
+    tokens, checks = read(tmp_path)
+    assert checks.passed.all()
+    assert_bitwise_across_cells(tokens)
+
+
+@pytest.mark.slow
+def test_triton_full_layout_is_bitwise_across_cells(tmp_path):
+    done = run_rlsweep(tmp_path, "profile=triton_cpu_bf16")
+    assert done.returncode == 0, done.stdout + done.stderr
+    tokens, checks = read(tmp_path)
+    assert checks.passed.all() and len(tokens) == len(expected_cells()[0]) * expected_cells()[1]
+    assert_bitwise_across_cells(tokens)
+
+
+def test_negative_control_is_red_where_declared_and_names_the_first_divergence(tmp_path):
+    done = run_rlsweep(tmp_path, "profile=negative_control_cpu")
+    _, checks = read(tmp_path)
+    declared = checks[~checks.expected_pass]
+    assert len(declared) > 0 and (declared.judgment == "forward_invariance").all()
+    assert not declared.passed.any(), "an expected red turned green: the control lost its power"
+    assert declared.first_sample_id.notna().all() and declared.first_position.notna().all()
+    assert done.returncode == 0  # every red is declared in the profile, so every verdict is as expected
+
+
+def test_negative_control_without_declarations_exits_2(tmp_path):
+    done = run_rlsweep(tmp_path, "profile=negative_control_cpu", "profile.expected_red=[]")
+    assert done.returncode == 2
+    _, checks = read(tmp_path)
+    red = checks[~checks.passed]
+    assert (red.judgment == "forward_invariance").all() and red.first_sample_id.notna().all()
+    first = red.iloc[0]
+    assert f"sample_id={int(first.first_sample_id)}, position={int(first.first_position)}" in done.stdout
+
+
+def test_expected_red_that_passes_is_red(tmp_path):
+    declaration = "+profile.expected_red=[{judgment: forward_invariance, cells: [B1/full], reason: test}]"
+    done = run_rlsweep(tmp_path, "layout=smoke", declaration)
+    assert done.returncode == 2
+    _, checks = read(tmp_path)
+    flipped = checks[checks.passed != checks.expected_pass]
+    assert set(flipped.lhs_cell) == {"B1/full"} and flipped.passed.all()
