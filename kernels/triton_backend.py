@@ -47,6 +47,12 @@ def _load_kernels(device: torch.device) -> tuple[ModuleType, bool]:
     except ImportError as err:  # pragma: no cover - triton is a hard dependency
         raise BackendUnavailableError(f"the triton backend needs the triton package: {err}") from err
     interpreted = isinstance(kernels_module.invariant_matmul_kernel, InterpretedFunction)
+    if isinstance(triton_language_helper(), InterpretedFunction) != interpreted:
+        raise BackendUnavailableError(
+            "triton was first imported with another TRITON_INTERPRET setting than these kernels, so its own "
+            "helpers (tl.cdiv, tl.sum) would run in the other mode; set TRITON_INTERPRET before triton is first "
+            "imported in this process"
+        )
     if device.type == "cpu" and not interpreted:
         raise BackendUnavailableError(
             "the triton backend got CPU tensors but Triton is compiling for a GPU; set "
@@ -116,6 +122,13 @@ class TritonBackend:
         return lse, observe(
             "tp_merge", self.id, "triton.ordered_tile_merge", lse, tiles=n_tiles, interpreted=interpreted
         )
+
+
+def triton_language_helper():
+    """A @triton.jit function of triton.language itself, decorated when triton was first imported."""
+    import triton.language.standard
+
+    return triton.language.standard.sum
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -11,14 +11,16 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 import kernels
 from rlsweep.config import register_configs
 from rlsweep.errors import RlsweepError
-from rlsweep.run import RunOutcome, execute
+from rlsweep.run import RunOutcome, choose_triton_mode, execute, run_id_of
+from rlsweep.tables import completed_run_id
 
 register_configs()
+choose_triton_mode()
 
 
 def summary(outcome: RunOutcome) -> str:
@@ -39,14 +41,21 @@ def summary(outcome: RunOutcome) -> str:
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def main(cfg: DictConfig) -> int:
     directory = Path(cfg.tables_dir or HydraConfig.get().runtime.output_dir)
+    single_run = HydraConfig.get().mode == RunMode.RUN
+    if not single_run and completed_run_id(directory) == run_id_of(OmegaConf.to_container(cfg, resolve=True)):
+        print(f"rlsweep: skipping: tables complete in {directory}")
+        return 0
     try:
         outcome = execute(cfg, directory)
     except (RlsweepError, kernels.KernelInputError) as err:
+        if not single_run:
+            # In a multirun a bad job raises, so Hydra runs the other jobs, names this one and exits 1.
+            raise RuntimeError(f"rlsweep: error: {err}") from err
         print(f"rlsweep: error: {err}", file=sys.stderr)
         sys.exit(1)
     print(summary(outcome))
     # A multirun job returns normally on red verdicts: the sweep gate judges all runs from the tables.
-    if HydraConfig.get().mode == RunMode.RUN and outcome.exit_code:
+    if single_run and outcome.exit_code:
         sys.exit(outcome.exit_code)
     return outcome.exit_code
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import platform
 import subprocess
 from pathlib import Path
@@ -42,11 +43,9 @@ def device_info(device: str) -> dict[str, Any]:
 
 
 def environment(device: str) -> dict[str, Any]:
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:  # pragma: no cover - triton is a dependency
+    try:  # the installed version, without importing triton (importing it fixes its interpreter mode)
+        triton_version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - triton is a dependency
         triton_version = None
     return {
         "device": device_info(device),

@@ -26,6 +26,7 @@ from rlsweep.judgments import (
     chain_aggregates,
     check_expected,
     contract_verdict,
+    expectations_for,
     forward_accuracy,
     forward_invariance,
     provenance_verdict,
@@ -92,7 +93,7 @@ def validate(cfg: DictConfig) -> None:
             f"profile {profile.name!r}: required_nodes {dict(profile.required_nodes)} must name a backend for "
             f"op nodes among {list(kernels.OP_NODES)}"
         )
-    check_expected(profile.expected_red)
+    check_expected([*profile.expected_red, *cfg.expected_red])
     check_layout(cfg.layout)
     check_geometry(cfg.model)
     check_tp_geometry(cfg.model.vocab_size, profile.vocab_tile, cfg.tp)
@@ -127,10 +128,20 @@ def run_id_of(config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def choose_triton_mode() -> None:
+    """Without CUDA, Triton can only run in its interpreter, and that is decided when triton is first imported.
+
+    Called before anything imports triton (``python -m rlsweep`` does it at start), so a multirun that mixes
+    profiles in one process gets the interpreter for every Triton job, not only for those after the first.
+    """
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def prepare_backend(profile: DictConfig) -> None:
-    """Triton on the CPU runs in its interpreter, which must be chosen before its kernels are imported."""
+    """Triton on the CPU runs in its interpreter (see ``choose_triton_mode``)."""
     if profile.backend_family == "triton" and profile.device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
+        choose_triton_mode()
         # The interpreter evaluates masked (-inf) lanes too and warns about them; the kernel masks the results.
         warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
 
@@ -192,7 +203,7 @@ def execute(cfg: DictConfig, directory: Path) -> RunOutcome:
             observed[result.cell.name] = unique_provenance(result)
             verdicts.append(provenance_verdict(result.cell.name, required, result.provenance, profile.backend_family))
         verdicts += judge(results, reference, workload, contract, profile.execution_dtype)
-    verdicts = apply_expected(verdicts, list(profile.expected_red))
+    verdicts = apply_expected(verdicts, expectations_for(config))
     metadata = {
         "config": config,
         "contract": dict(contract.document),
