@@ -39,9 +39,14 @@ class ModelConfig:
 
 @dataclass
 class ExpectedVerdictConfig:
-    """Verdict rows a profile expects to be red (strict: one that passes is itself red)."""
+    """Verdict rows expected to be red (strict: one that passes is itself red).
+
+    Declared in a profile (``profile.expected_red``) or at the top level by a sweep config
+    (``expected_red``), where ``profiles`` picks the profiles it applies to.
+    """
 
     judgment: str = MISSING
+    profiles: list[str] = field(default_factory=lambda: ["*"])  # fnmatch patterns over profile names
     cells: list[str] = field(default_factory=lambda: ["*"])  # fnmatch patterns over cell names
     tensors: list[str] = field(default_factory=lambda: ["*"])
     reason: str = MISSING
@@ -114,6 +119,7 @@ class RunConfig:
     tp: int = 1
     tp_mode: str = "emulated"  # emulated | distributed
     seed: int = 0
+    expected_red: list[ExpectedVerdictConfig] = field(default_factory=list)  # sweep-level declarations
     tables_dir: str | None = None  # default: the Hydra run's output dir
 
 

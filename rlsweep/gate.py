@@ -20,7 +20,7 @@ import torch
 from rlsweep.config import ExpectedVerdictConfig
 from rlsweep.contract import Contract, contract_from_mapping
 from rlsweep.errors import RlsweepError
-from rlsweep.judgments import FORWARD_TENSORS, Verdict, apply_expected
+from rlsweep.judgments import FORWARD_TENSORS, Verdict, apply_expected, expectations_for
 from rlsweep.layouts import CANONICAL_CELL
 from rlsweep.tables import (
     CHECKS_SCHEMA,
@@ -54,9 +54,7 @@ class RunTables:
 
     @property
     def expected_red(self) -> list[ExpectedVerdictConfig]:
-        return [ExpectedVerdictConfig(**declaration) for declaration in self.config.get("expected_red", [])] + [
-            ExpectedVerdictConfig(**declaration) for declaration in self.config["profile"].get("expected_red", [])
-        ]
+        return expectations_for(self.config)
 
 
 @dataclass

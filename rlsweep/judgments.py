@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -306,9 +307,21 @@ def contract_verdict(contract: Contract) -> Verdict:
 def check_expected(declarations: Iterable[ExpectedVerdictConfig]) -> None:
     for declaration in declarations:
         if declaration.judgment not in JUDGMENTS:
-            raise ConfigError(
-                f"profile.expected_red judgment {declaration.judgment!r} is not one of {', '.join(JUDGMENTS)}"
-            )
+            raise ConfigError(f"expected_red judgment {declaration.judgment!r} is not one of {', '.join(JUDGMENTS)}")
+
+
+def expectations_for(config: Mapping[str, Any]) -> list[ExpectedVerdictConfig]:
+    """The expected-red declarations that apply to a resolved run config: its profile's and the sweep's."""
+    profile = config["profile"]
+    declared = [*profile.get("expected_red", []), *config.get("expected_red", [])]
+    out = []
+    for declaration in declared:
+        expected = (
+            declaration if isinstance(declaration, ExpectedVerdictConfig) else ExpectedVerdictConfig(**declaration)
+        )
+        if any(fnmatch.fnmatchcase(profile["name"], pattern) for pattern in expected.profiles):
+            out.append(expected)
+    return out
 
 
 def apply_expected(verdicts: list[Verdict], declarations: Sequence[ExpectedVerdictConfig]) -> list[Verdict]:

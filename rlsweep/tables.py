@@ -129,6 +129,14 @@ def run_is_complete(directory: str | os.PathLike[str]) -> bool:
     return all((Path(directory) / name).is_file() for name in RUN_TABLES)
 
 
+def completed_run_id(directory: str | os.PathLike[str]) -> str | None:
+    """The run_id of the complete run in ``directory``, or None (resume skips a job only when they match)."""
+    if not run_is_complete(directory):
+        return None
+    run_ids = pq.read_table(Path(directory) / CHECKS_TABLE, columns=["run_id"]).column("run_id").unique()
+    return str(run_ids[0]) if len(run_ids) == 1 else None
+
+
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The ``rlsweep`` JSON metadata of one table."""
     return json.loads(pq.read_schema(path).metadata[METADATA_KEY])

@@ -1,0 +1,101 @@
+"""Real multiruns into tmp_path: the sweep gate's exit codes, crashes, resume and launchers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from rlsweep.check import main as check_main
+from rlsweep.gate import SUMMARY_FILE, SWEEP_CHECKS_TABLE
+from rlsweep.tables import CHECKS_TABLE, TOKENS_TABLE
+
+SMALL = ("layout=smoke", "tp=1,2")
+
+
+def multirun(sweep_dir: Path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``python -m rlsweep <overrides> --multirun`` into ``sweep_dir``."""
+    command = [sys.executable, "-m", "rlsweep", f"hydra.sweep.dir={sweep_dir}", *overrides, "--multirun"]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+
+
+def sweep_checks(sweep_dir: Path) -> pd.DataFrame:
+    return pd.read_parquet(sweep_dir / SWEEP_CHECKS_TABLE)
+
+
+def run_cells(sweep_dir: Path) -> set[str]:
+    return set(pd.read_parquet(next(sweep_dir.rglob(TOKENS_TABLE)), columns=["cell"])["cell"])
+
+
+def test_triton_sweep_is_green_with_a_bitwise_tp_row_for_every_cell(tmp_path):
+    done = multirun(tmp_path, "profile=triton_cpu_bf16", *SMALL)
+    assert done.returncode == 0, done.stdout + done.stderr
+    tp_rows = sweep_checks(tmp_path).query("judgment == 'tp_invariance'")
+    assert set(tp_rows["lhs_cell"]) == run_cells(tmp_path)
+    assert tp_rows["passed"].all() and (tp_rows["metric"] == "mismatched_tokens").all()
+    assert set(tp_rows["tp"]) == {2}
+    assert "sweep gate: 2 runs, 0 verdicts not as expected -> GREEN" in done.stdout
+    assert (tmp_path / SUMMARY_FILE).is_file()
+
+
+def test_negative_control_sweep_is_red(tmp_path):
+    done = multirun(tmp_path, "profile=negative_control_cpu", *SMALL)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "-> RED" in done.stdout
+    assert check_main([str(tmp_path)]) == 2
+
+
+def test_aten_tp_rows_are_judged_by_tolerance_and_say_whether_bitwise(tmp_path):
+    done = multirun(tmp_path, "profile=cpu_bf16", *SMALL)
+    assert done.returncode == 0, done.stdout + done.stderr
+    tp_rows = sweep_checks(tmp_path).query("judgment == 'tp_invariance'")
+    assert len(tp_rows) and (tp_rows["metric"] == "max_abs_diff").all()
+    assert tp_rows["detail"].str.contains(r"also bitwise: (?:True|False)").all()
+    assert "of which also bitwise" in (tmp_path / SUMMARY_FILE).read_text()
+
+
+def test_expected_red_that_passes_turns_the_sweep_red(tmp_path):
+    declaration = "+expected_red=[{profiles:[cpu_bf16],judgment:tp_invariance,reason:'claims stock TP varies'}]"
+    done = multirun(tmp_path, "profile=cpu_bf16", *SMALL, declaration)
+    assert done.returncode == 2, done.stdout + done.stderr
+    red = sweep_checks(tmp_path).query("judgment == 'tp_invariance'")
+    assert red["passed"].all() and not red["expected_pass"].any()
+
+
+def test_a_crashing_job_leaves_the_others_and_exits_1(tmp_path):
+    done = multirun(tmp_path, "profile=cpu_bf16", "layout=smoke", "tp=1,64,2")
+    assert done.returncode == 1, done.stdout + done.stderr
+    output = done.stdout + done.stderr
+    assert "job #1 FAILED (profile=cpu_bf16 layout=smoke tp=64)" in output
+    assert "tp=64 cannot be served" in output
+    for job in ("0", "2"):
+        assert (tmp_path / job / CHECKS_TABLE).is_file(), f"job {job} lost its tables"
+    assert not (tmp_path / "1" / CHECKS_TABLE).exists()
+
+
+def test_rerun_into_the_same_sweep_dir_skips_complete_jobs(tmp_path):
+    first = multirun(tmp_path, "profile=cpu_bf16", *SMALL)
+    assert first.returncode == 0, first.stdout + first.stderr
+    written = {path: path.stat().st_mtime_ns for path in tmp_path.rglob(CHECKS_TABLE)}
+    second = multirun(tmp_path, "profile=cpu_bf16", *SMALL)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert second.stdout.count("skipping: tables complete") == 2
+    assert {path: path.stat().st_mtime_ns for path in tmp_path.rglob(CHECKS_TABLE)} == written
+
+
+@pytest.mark.parametrize(
+    "launcher", [("hydra/launcher=joblib", "hydra.launcher.n_jobs=2"), ("hydra/launcher=submitit_local",)]
+)
+def test_launchers_run_the_sweep_and_the_gate(tmp_path, launcher):
+    done = multirun(tmp_path, "profile=cpu_bf16", *SMALL, *launcher)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(list(tmp_path.rglob(CHECKS_TABLE))) == 2
+    assert len(sweep_checks(tmp_path).query("judgment == 'tp_invariance'"))
+
+
+def test_check_on_a_directory_without_tables_is_a_usage_error(tmp_path, capsys):
+    assert check_main([str(tmp_path)]) == 1
+    assert "no rlsweep tables" in capsys.readouterr().err
