@@ -319,7 +319,8 @@ def expectations_for(config: Mapping[str, Any]) -> list[ExpectedVerdictConfig]:
         expected = (
             declaration if isinstance(declaration, ExpectedVerdictConfig) else ExpectedVerdictConfig(**declaration)
         )
-        if any(fnmatch.fnmatchcase(profile["name"], pattern) for pattern in expected.profiles):
+        profile_matches = any(fnmatch.fnmatchcase(profile["name"], pattern) for pattern in expected.profiles)
+        if profile_matches and (not expected.tp or config["tp"] in expected.tp):
             out.append(expected)
     return out
 

@@ -58,7 +58,7 @@ def test_aten_tp_rows_are_judged_by_tolerance_and_say_whether_bitwise(tmp_path):
 
 
 def test_expected_red_that_passes_turns_the_sweep_red(tmp_path):
-    declaration = "+expected_red=[{profiles:[cpu_bf16],judgment:tp_invariance,reason:'claims stock TP varies'}]"
+    declaration = "expected_red=[{profiles:[cpu_bf16],judgment:tp_invariance,reason:'claims stock TP varies'}]"
     done = multirun(tmp_path, "profile=cpu_bf16", *SMALL, declaration)
     assert done.returncode == 2, done.stdout + done.stderr
     red = sweep_checks(tmp_path).query("judgment == 'tp_invariance'")
@@ -99,3 +99,14 @@ def test_launchers_run_the_sweep_and_the_gate(tmp_path, launcher):
 def test_check_on_a_directory_without_tables_is_a_usage_error(tmp_path, capsys):
     assert check_main([str(tmp_path)]) == 1
     assert "no rlsweep tables" in capsys.readouterr().err
+
+
+def test_sweep_declarations_apply_only_to_their_profiles_and_tp(tmp_path):
+    declaration = "expected_red=[{profiles:[cpu_*],tp:[1],judgment:forward_invariance,cells:[B1/full],reason:x}]"
+    done = multirun(tmp_path, "profile=cpu_bf16,negative_control_cpu", *SMALL, declaration)
+    assert done.returncode == 2, done.stdout + done.stderr
+    checks = pd.concat([pd.read_parquet(path) for path in tmp_path.rglob(CHECKS_TABLE)])
+    declared = checks[~checks["expected_pass"]]
+    assert set(zip(declared["profile"], declared["tp"], declared["lhs_cell"], strict=True)) == {
+        ("cpu_bf16", 1, "B1/full")
+    }
