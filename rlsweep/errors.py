@@ -1,4 +1,4 @@
-"""Typed errors for bad input to a run; each message names the offending value and what is valid.
+"""Typed errors for bad input (to a run, the gate, the analysis); each names the offending value and what is valid.
 
 All of them end a run with exit code 1 and one paragraph on stderr (``rlsweep.__main__``).
 """
@@ -24,3 +24,11 @@ class ReplayInputError(RlsweepError):
 
 class OutputDirError(RlsweepError):
     """The run's output directory cannot be written."""
+
+
+class TablesNotFoundError(RlsweepError):
+    """A path that holds no rlsweep tables (or is not a readable directory)."""
+
+
+class SelectionError(RlsweepError):
+    """An analysis selector that matches no token, or not exactly one token per logical key."""

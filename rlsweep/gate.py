@@ -35,6 +35,8 @@ from rlsweep.tables import (
 SWEEP_CHECKS_TABLE = "sweep_checks.parquet"
 SUMMARY_FILE = "summary.md"
 TP_MODE_ORDER = ("emulated", "distributed")  # the baseline of a tp group is emulated when both ran
+VERDICT_GROUPS = ("profile", "tp", "judgment")
+VERDICT_COUNTS = ("passed", "failed", "unexpected")  # unexpected: passed != expected_pass
 
 
 @dataclass(frozen=True)
@@ -247,18 +249,17 @@ def write_sweep_outputs(root: Path, result: GateResult) -> None:
     write_tables(root, {SWEEP_CHECKS_TABLE: table}, text={SUMMARY_FILE: summary_markdown(result)})
 
 
+def count_verdicts(checks: pd.DataFrame, by: Sequence[str] = VERDICT_GROUPS) -> pd.DataFrame:
+    """Pass/fail/unexpected counts of a checks frame, one row per group of ``by`` columns."""
+    if not len(checks):
+        return pd.DataFrame(columns=[*by, *VERDICT_COUNTS])
+    checks = checks.assign(failed=~checks["passed"], unexpected=checks["passed"] != checks["expected_pass"])
+    return checks.groupby(list(by), observed=True)[list(VERDICT_COUNTS)].sum().astype(int).reset_index()
+
+
 def verdict_counts(result: GateResult) -> pd.DataFrame:
     """Pass/fail/unexpected counts by profile x tp x judgment, over run and sweep verdicts."""
-    both = pd.concat([result.run_checks, result.sweep_checks], ignore_index=True)
-    if not len(both):
-        return pd.DataFrame(columns=["profile", "tp", "judgment", "passed", "failed", "unexpected"])
-    both = both.assign(failed=~both["passed"], unexpected=both["passed"] != both["expected_pass"])
-    return (
-        both.groupby(["profile", "tp", "judgment"], observed=True)[["passed", "failed", "unexpected"]]
-        .sum()
-        .astype(int)
-        .reset_index()
-    )
+    return count_verdicts(pd.concat([result.run_checks, result.sweep_checks], ignore_index=True))
 
 
 def summary_markdown(result: GateResult) -> str:
