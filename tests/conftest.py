@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import secrets
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,3 +54,18 @@ def make_inputs():
         return LmHeadInputs(hidden.to(dtype).to(device), weight.to(dtype).to(device), targets.to(device), seed)
 
     return make
+
+
+# Two profiles (one the negative control, undeclared here so its invariance reds are RED) x tp 1,2, smoke cells.
+SMALL_SWEEP = ("profile=cpu_bf16,negative_control_cpu", "tp=1,2", "layout=smoke")
+
+
+@pytest.fixture(scope="session")
+def small_sweep(tmp_path_factory) -> Path:
+    """A real multirun (exit 2: the control's reds are not declared) shared by the analysis and report tests."""
+    from rlsweep_fixtures import multirun  # imported late: TRITON_INTERPRET above must be set first
+
+    sweep_dir = tmp_path_factory.mktemp("small_sweep")
+    done = multirun(sweep_dir, *SMALL_SWEEP)
+    assert done.returncode == 2, done.stdout + done.stderr
+    return sweep_dir

@@ -42,3 +42,9 @@ def tables_left(directory: Path) -> list[str]:
     if not directory.exists():
         return []
     return sorted(p.name for p in directory.iterdir() if any(name in p.name for name in RUN_TABLES))
+
+
+def multirun(sweep_dir: Path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``python -m rlsweep <overrides> --multirun`` into ``sweep_dir``."""
+    command = [sys.executable, "-m", "rlsweep", f"hydra.sweep.dir={sweep_dir}", *overrides, "--multirun"]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)

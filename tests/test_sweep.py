@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
+from rlsweep_fixtures import multirun
 
 from rlsweep.check import main as check_main
 from rlsweep.gate import SUMMARY_FILE, SWEEP_CHECKS_TABLE
 from rlsweep.tables import CHECKS_TABLE, TOKENS_TABLE
 
 SMALL = ("layout=smoke", "tp=1,2")
-
-
-def multirun(sweep_dir: Path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    """``python -m rlsweep <overrides> --multirun`` into ``sweep_dir``."""
-    command = [sys.executable, "-m", "rlsweep", f"hydra.sweep.dir={sweep_dir}", *overrides, "--multirun"]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
 
 
 def sweep_checks(sweep_dir: Path) -> pd.DataFrame:

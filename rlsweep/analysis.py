@@ -1,0 +1,290 @@
+"""pandas over rlsweep tables (SPEC §4.12): load runs, sweeps or whole trees, and ask the usual questions.
+
+Loaders take a run dir, a sweep dir or an ``outputs/`` tree and find the tables recursively. dtypes are
+derived from the table schemas: string columns become categoricals (``detail`` stays text), ``tp`` and
+the logical key stay int64, ``logp``/``lse`` float32 and ``ref_logp`` float64 as written, and
+``first_sample_id``/``first_position`` are nullable Int64. Every frame gets a ``run_dir`` column.
+
+Selectors are dicts of column filters, e.g. ``{"profile": "cpu_bf16", "tp": 1, "cell": "BN/packed"}``;
+a list value means "any of". ``dlogp`` compares two selections over the same logical
+``(sample_id, position)`` tokens (active ones only); ``first_divergence`` and ``worst_tokens`` read its result.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import torch
+
+import kernels
+from rlsweep.errors import SelectionError, TablesNotFoundError
+from rlsweep.gate import SWEEP_CHECKS_TABLE, TP_MODE_ORDER, count_verdicts, find_run_dirs
+from rlsweep.judgments import FORWARD_TENSORS, JUDGMENTS
+from rlsweep.layouts import CANONICAL_CELL
+from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, TOKENS_SCHEMA, TOKENS_TABLE
+
+RUN_DIR = "run_dir"  # added column: the directory the row's run tables were read from
+LEVEL = "level"  # added checks column: RUN_LEVEL (checks.parquet) or SWEEP_LEVEL (sweep_checks.parquet)
+RUN_LEVEL, SWEEP_LEVEL = "run", "sweep"
+TEXT_COLUMNS = ("detail",)  # string columns that stay free text instead of categoricals
+NULLABLE_COLUMNS = ("first_sample_id", "first_position")  # null when nothing diverged
+KEY = ("sample_id", "position")  # the logical identity of a token (SPEC §4.3)
+REFERENCE = "reference"  # rhs of dlogp meaning: the float64 reference logp of the lhs tokens themselves
+SUMMARY_GROUPS = ("profile", "model", "tp", "judgment")
+RUN_GROUP = ("profile", "model", "weight_hash", "workload")  # runs whose tokens are comparable across tp
+DIFF_COLUMNS = (RUN_DIR, "profile", "model", "workload", "tp", "tp_mode", "cell", *KEY, "target_id")
+LEADING_CATEGORIES = {"judgment": JUDGMENTS, LEVEL: (RUN_LEVEL, SWEEP_LEVEL)}
+
+Selector = Mapping[str, Any]
+
+
+def pandas_dtype(field: pa.Field) -> str:
+    """The analysis dtype of one schema column."""
+    if pa.types.is_string(field.type):
+        return "str" if field.name in TEXT_COLUMNS else "category"
+    if field.name in NULLABLE_COLUMNS:
+        return "Int64"
+    return np.dtype(field.type.to_pandas_dtype()).name
+
+
+def natural_key(path: Path) -> tuple:
+    """Sort job dirs 0, 1, ..., 10 rather than 0, 1, 10, 2."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in path.parts)
+
+
+def categorical(values: pd.Series, leading: Sequence[str] = ()) -> pd.Categorical:
+    """Categories: ``leading`` first, then the other values in order of first appearance (cells in layout order)."""
+    seen = [value for value in pd.unique(values.astype(str)) if value not in leading]
+    return pd.Categorical(values.astype(str), categories=[*leading, *seen])
+
+
+def normalize(frame: pd.DataFrame, schema: pa.Schema) -> pd.DataFrame:
+    """Cast the schema's columns (plus run_dir/level) to the analysis dtypes; column order as in the schema."""
+    missing = [name for name in schema.names if name not in frame.columns]
+    if missing:
+        raise TablesNotFoundError(f"table lacks columns {missing}; expected the schema of rlsweep.tables")
+    extra = [name for name in (LEVEL, RUN_DIR) if name in frame.columns]
+    out = pd.DataFrame(index=pd.RangeIndex(len(frame)))
+    for field in schema:
+        dtype, column = pandas_dtype(field), frame[field.name].reset_index(drop=True)
+        leading = LEADING_CATEGORIES.get(field.name, ())
+        out[field.name] = categorical(column, leading) if dtype == "category" else column.astype(dtype)
+    for name in extra:
+        out[name] = categorical(frame[name].reset_index(drop=True), LEADING_CATEGORIES.get(name, ()))
+    return out
+
+
+def run_dirs(path: str | os.PathLike[str]) -> list[Path]:
+    """Every complete run dir under ``path`` (itself included), in natural order."""
+    root = Path(path)
+    if not root.is_dir():
+        raise TablesNotFoundError(f"{str(root)!r} is not a directory (expected a run dir, a sweep dir or outputs/)")
+    complete, _ = find_run_dirs(root)
+    if not complete:
+        raise TablesNotFoundError(f"no complete rlsweep run ({TOKENS_TABLE} + {CHECKS_TABLE}) under {str(root)!r}")
+    return sorted(complete, key=natural_key)
+
+
+def tokens_frame(tables: Sequence[tuple[Path, pd.DataFrame]]) -> pd.DataFrame:
+    """(run dir, tokens table) pairs -> one tokens frame with analysis dtypes and a run_dir column."""
+    parts = [table.assign(**{RUN_DIR: str(directory)}) for directory, table in tables]
+    return normalize(pd.concat(parts, ignore_index=True), TOKENS_SCHEMA)
+
+
+def checks_frame(
+    run_tables: Sequence[tuple[Path, pd.DataFrame]], sweep_tables: Sequence[tuple[Path, pd.DataFrame]] = ()
+) -> pd.DataFrame:
+    """Run and sweep checks -> one frame; a sweep row's run_dir is its lhs run's dir (by run_id, same sweep)."""
+    parts = [table.assign(**{LEVEL: RUN_LEVEL, RUN_DIR: str(directory)}) for directory, table in run_tables]
+    for sweep_dir, table in sweep_tables:
+        owners = {
+            run_id: str(directory)
+            for directory, run in run_tables
+            if directory.is_relative_to(sweep_dir)
+            for run_id in run["run_id"].unique()
+        }
+        run_dir = table["run_id"].astype(str).map(owners).fillna(str(sweep_dir))
+        parts.append(table.assign(**{LEVEL: SWEEP_LEVEL, RUN_DIR: run_dir}))
+    parts = [part for part in parts if len(part)]  # concat of empty frames would blur the dtypes
+    frame = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=[*CHECKS_SCHEMA.names])
+    return normalize(frame, CHECKS_SCHEMA)
+
+
+def load_tokens(path: str | os.PathLike[str]) -> pd.DataFrame:
+    """Every tokens.parquet under ``path``: one row per (run, cell, sample_id, position)."""
+    frame = tokens_frame([(directory, pd.read_parquet(directory / TOKENS_TABLE)) for directory in run_dirs(path)])
+    if not len(frame):
+        raise TablesNotFoundError(f"the {TOKENS_TABLE} tables under {str(path)!r} hold no rows")
+    return frame
+
+
+def load_checks(path: str | os.PathLike[str]) -> pd.DataFrame:
+    """Every checks.parquet (level "run") and sweep_checks.parquet (level "sweep") under ``path``."""
+    runs = [(directory, pd.read_parquet(directory / CHECKS_TABLE)) for directory in run_dirs(path)]
+    sweeps = [(p.parent, pd.read_parquet(p)) for p in sorted(Path(path).rglob(SWEEP_CHECKS_TABLE), key=natural_key)]
+    frame = checks_frame(runs, sweeps)
+    if not len(frame):
+        raise TablesNotFoundError(f"the {CHECKS_TABLE} tables under {str(path)!r} hold no rows")
+    return frame
+
+
+def summary(checks: pd.DataFrame, by: Sequence[str] = SUMMARY_GROUPS) -> pd.DataFrame:
+    """Counts of passed, failed and unexpected (passed != expected_pass) verdicts per ``by`` group."""
+    return count_verdicts(checks, by)
+
+
+def select(tokens: pd.DataFrame, selector: Selector) -> pd.DataFrame:
+    """Rows whose columns equal the selector's values (a list value: any of them)."""
+    mask = pd.Series(True, index=tokens.index)
+    for column, wanted in selector.items():
+        if column not in tokens.columns:
+            raise SelectionError(f"selector column {column!r} is not a column; columns: {', '.join(tokens.columns)}")
+        values = wanted if isinstance(wanted, list | tuple | set) else [wanted]
+        mask &= tokens[column].isin([str(v) if isinstance(v, os.PathLike) else v for v in values])
+    return tokens[mask]
+
+
+def active_selection(tokens: pd.DataFrame, selector: Selector, side: str) -> pd.DataFrame:
+    chosen = select(tokens, selector)
+    chosen = chosen[chosen["active"]]
+    if not len(chosen):
+        raise SelectionError(f"{side} selector {dict(selector)!r} matches no active token")
+    return chosen
+
+
+def bits_equal(lhs: pd.Series, rhs: pd.Series) -> pd.Series:
+    """Elementwise bit equality through kernels.bit_pattern (NaN-safe; -0.0 differs from 0.0)."""
+    left = kernels.bit_pattern(torch.from_numpy(lhs.to_numpy(copy=True)))
+    right = kernels.bit_pattern(torch.from_numpy(rhs.to_numpy(copy=True)))
+    return pd.Series((left == right).numpy(), index=lhs.index)
+
+
+def dlogp(tokens: pd.DataFrame, lhs: Selector, rhs: Selector | str = REFERENCE, tensor: str = "logp") -> pd.DataFrame:
+    """``dlogp = lhs - rhs`` (float64) of ``tensor`` over the active tokens the lhs selector picks.
+
+    ``lhs`` may span several runs and cells; ``rhs`` must pick one token per (sample_id, position) (one run,
+    one cell), and every lhs token is compared with the rhs token of the same logical key. ``rhs=REFERENCE``
+    compares logp with the float64 ``ref_logp`` of the same rows. Returns DIFF_COLUMNS + lhs, rhs, dlogp,
+    bits_equal (for REFERENCE: the float32 logp, widened exactly, has the reference's bits).
+    """
+    if tensor not in FORWARD_TENSORS:
+        raise SelectionError(f"tensor {tensor!r} is not one of {', '.join(FORWARD_TENSORS)}")
+    left = active_selection(tokens, lhs, "lhs")
+    if isinstance(rhs, str):
+        if rhs != REFERENCE or tensor != "logp":
+            raise SelectionError(f"rhs {rhs!r} with tensor {tensor!r}: only logp has a reference (rhs={REFERENCE!r})")
+        joined = left.assign(lhs=left[tensor].astype("float64"), rhs=left["ref_logp"])
+    else:
+        right = active_selection(tokens, rhs, "rhs")
+        repeated = right.duplicated(list(KEY))
+        if repeated.any():
+            runs, cells = right[RUN_DIR].nunique(), right["cell"].nunique()
+            raise SelectionError(
+                f"rhs selector {dict(rhs)!r} picks {runs} runs and {cells} cells, not one token per (sample_id, "
+                f"position); narrow it with run_dir, tp_mode or cell"
+            )
+        partner = right[[*KEY, "target_id", tensor]].rename(columns={"target_id": "rhs_target", tensor: "rhs"})
+        joined = left.merge(partner, on=list(KEY), how="left", validate="many_to_one")
+        unmatched = joined["rhs_target"].isna()
+        if unmatched.any():
+            first = joined.loc[unmatched, list(KEY)].iloc[0].tolist()
+            raise SelectionError(
+                f"{int(unmatched.sum())} lhs tokens have no active rhs token with the same (sample_id, position), "
+                f"first {tuple(first)}; lhs {dict(lhs)!r}, rhs {dict(rhs)!r}"
+            )
+        differs = joined["target_id"] != joined["rhs_target"]
+        if differs.any():
+            raise SelectionError(
+                f"lhs {dict(lhs)!r} and rhs {dict(rhs)!r} are not the same logical tokens: target_id differs at "
+                f"{int(differs.sum())} keys (another workload or seed?)"
+            )
+        joined = joined.assign(lhs=joined[tensor], rhs=joined["rhs"].astype(joined[tensor].dtype))
+    equal = bits_equal(joined["lhs"], joined["rhs"].astype(joined["lhs"].dtype))
+    out = joined[list(DIFF_COLUMNS)].assign(
+        lhs=joined["lhs"],
+        rhs=joined["rhs"],
+        dlogp=joined["lhs"].astype("float64") - joined["rhs"].astype("float64"),
+        bits_equal=equal,
+    )
+    return out.sort_values([RUN_DIR, "cell", *KEY], ignore_index=True)
+
+
+def first_divergence(diffs: pd.DataFrame) -> pd.DataFrame:
+    """Per (run, cell, sample_id) of a ``dlogp`` frame: the first position whose bits differ (<NA> if none).
+
+    Columns: run_dir, profile, tp, tp_mode, cell, sample_id, first_position (Int64), lhs, rhs, dlogp at
+    that position, and diverging_tokens (how many of the sample's active tokens differ).
+    """
+    groups = [RUN_DIR, "profile", "tp", "tp_mode", "cell", "sample_id"]
+    ordered = diffs.sort_values([*groups, "position"])
+    differ = ordered[~ordered["bits_equal"]]
+    first = differ.groupby(groups, observed=True, sort=False).head(1)[[*groups, "position", "lhs", "rhs", "dlogp"]]
+    counts = differ.groupby(groups, observed=True).size().rename("diverging_tokens").reset_index()
+    samples = ordered[groups].drop_duplicates()
+    out = samples.merge(first, on=groups, how="left").merge(counts, on=groups, how="left")
+    out = out.rename(columns={"position": "first_position"})
+    out["first_position"] = out["first_position"].astype("Int64")
+    out["diverging_tokens"] = out["diverging_tokens"].fillna(0).astype("int64")
+    return out.reset_index(drop=True)
+
+
+def worst_tokens(diffs: pd.DataFrame, n: int = 10) -> pd.DataFrame:
+    """The ``n`` rows of a ``dlogp`` frame with the largest |dlogp|; NaN/Inf rank first."""
+    if n < 0:
+        raise SelectionError(f"n={n} must be >= 0")
+    magnitude = diffs["dlogp"].abs().fillna(math.inf)
+    return diffs.loc[magnitude.sort_values(ascending=False, kind="stable").index[:n]]
+
+
+def baseline_runs(tokens: pd.DataFrame) -> pd.DataFrame:
+    """One row per run: RUN_GROUP columns, tp, tp_mode, run_dir and ``baseline`` (the group's smallest tp run).
+
+    The baseline is chosen as the gate chooses the tp_invariance baseline: smallest tp, emulated first.
+    """
+    runs = tokens[[*RUN_GROUP, "tp", "tp_mode", RUN_DIR]].drop_duplicates().astype({RUN_DIR: str, "tp_mode": str})
+    runs = runs.assign(mode_rank=runs["tp_mode"].map(TP_MODE_ORDER.index), dir_key=runs[RUN_DIR].map(run_dir_key))
+    runs = runs.sort_values(["tp", "mode_rank", "dir_key"])
+    runs["baseline"] = runs.groupby(list(RUN_GROUP), observed=True)[RUN_DIR].transform("first")
+    return runs.drop(columns=["mode_rank", "dir_key"]).reset_index(drop=True)
+
+
+def run_dir_key(run_dir: str) -> str:
+    """A string that sorts run dirs naturally (job 2 before job 10)."""
+    return re.sub(r"\d+", lambda m: m.group().zfill(12), run_dir)
+
+
+def dlogp_vs_canonical(tokens: pd.DataFrame, tensor: str = "logp") -> pd.DataFrame:
+    """Every run's cells vs the canonical cell of its group's smallest-tp run: one row per (run, cell).
+
+    Columns: RUN_GROUP, tp, tp_mode, run_dir, cell, max_abs_dlogp, mismatched_tokens, active_tokens.
+    """
+    rows = []
+    for baseline, runs in baseline_runs(tokens).groupby("baseline", sort=False):
+        diffs = dlogp(tokens, {RUN_DIR: list(runs[RUN_DIR])}, {RUN_DIR: baseline, "cell": CANONICAL_CELL}, tensor)
+        rows.append(
+            diffs.assign(abs_dlogp=diffs["dlogp"].abs(), mismatched=~diffs["bits_equal"])
+            .groupby([RUN_DIR, "cell"], observed=True)
+            .agg(
+                max_abs_dlogp=("abs_dlogp", "max"),
+                mismatched_tokens=("mismatched", "sum"),
+                active_tokens=("dlogp", "size"),
+            )
+            .reset_index()
+            .merge(runs.drop(columns="baseline").astype({RUN_DIR: diffs[RUN_DIR].dtype}), on=RUN_DIR)
+        )
+    grid = pd.concat(rows, ignore_index=True)
+    return grid[[*RUN_GROUP, "tp", "tp_mode", RUN_DIR, "cell", "max_abs_dlogp", "mismatched_tokens", "active_tokens"]]
+
+
+def dlogp_vs_reference(tokens: pd.DataFrame) -> pd.DataFrame:
+    """Accuracy: the canonical cell of every group's smallest-tp run vs its float64 reference (a dlogp frame)."""
+    baselines = list(baseline_runs(tokens)["baseline"].unique())
+    return dlogp(tokens, {RUN_DIR: baselines, "cell": CANONICAL_CELL}, REFERENCE)

@@ -1,0 +1,156 @@
+"""rlsweep.analysis on a real sweep: dtypes, summary counts, dlogp, first divergence, worst tokens, errors."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from rlsweep import analysis
+from rlsweep.errors import SelectionError, TablesNotFoundError
+from rlsweep.gate import SWEEP_CHECKS_TABLE, VERDICT_COUNTS
+from rlsweep.layouts import CANONICAL_CELL
+from rlsweep.tables import CHECKS_TABLE, RUN_COLUMNS, TOKENS_TABLE
+
+
+@pytest.fixture(scope="module")
+def tokens(small_sweep):
+    return analysis.load_tokens(small_sweep)
+
+
+@pytest.fixture(scope="module")
+def checks(small_sweep):
+    return analysis.load_checks(small_sweep)
+
+
+def raw_checks(sweep_dir) -> pd.DataFrame:
+    """The checks tables exactly as pandas reads them, without the analysis layer."""
+    paths = [*sweep_dir.rglob(CHECKS_TABLE), *sweep_dir.rglob(SWEEP_CHECKS_TABLE)]
+    return pd.concat([pd.read_parquet(path) for path in paths], ignore_index=True)
+
+
+def test_dtypes_are_stable_and_as_written(tokens, checks):
+    strings = [field.name for field in RUN_COLUMNS if field.type == "string"]
+    for column in [*strings, "cell", analysis.RUN_DIR]:
+        assert isinstance(tokens[column].dtype, pd.CategoricalDtype), column
+    for column in [*strings, "judgment", "tensor", "lhs_role", "rhs_role", "lhs_cell", "metric", analysis.LEVEL]:
+        assert isinstance(checks[column].dtype, pd.CategoricalDtype), column
+    assert tokens["tp"].dtype == "int64" and checks["tp"].dtype == "int64"
+    assert (tokens["logp"].dtype, tokens["lse"].dtype, tokens["ref_logp"].dtype) == ("float32", "float32", "float64")
+    assert checks["first_sample_id"].dtype == "Int64" and checks["first_position"].dtype == "Int64"
+    assert tokens["cell"].cat.categories[0] == CANONICAL_CELL  # layout order, canonical first
+
+
+def test_load_checks_has_run_and_sweep_rows(small_sweep, checks):
+    raw = raw_checks(small_sweep)
+    assert len(checks) == len(raw)
+    sweep_rows = len(pd.read_parquet(small_sweep / SWEEP_CHECKS_TABLE))
+    assert (checks[analysis.LEVEL] == analysis.SWEEP_LEVEL).sum() == sweep_rows > 0
+    sweep = checks[checks[analysis.LEVEL] == analysis.SWEEP_LEVEL]
+    assert set(sweep["judgment"]) <= {"tp_invariance", "backend_parity"}
+    # a sweep verdict belongs to its lhs run: same run_id in that run dir's own checks
+    for row in sweep.itertuples():
+        assert row.run_id in set(pd.read_parquet(f"{row.run_dir}/{CHECKS_TABLE}")["run_id"])
+
+
+def test_summary_counts_match_the_checks_tables(small_sweep, checks):
+    counts = analysis.summary(checks)
+    assert list(counts.columns) == [*analysis.SUMMARY_GROUPS, *VERDICT_COUNTS]
+    raw = raw_checks(small_sweep)
+    expected = (
+        raw.assign(failed=~raw["passed"], unexpected=raw["passed"] != raw["expected_pass"])
+        .groupby(list(analysis.SUMMARY_GROUPS))[list(VERDICT_COUNTS)]
+        .sum()
+    )
+    got = counts.astype({"profile": str, "model": str, "judgment": str}).set_index(list(analysis.SUMMARY_GROUPS))
+    pd.testing.assert_frame_equal(got.sort_index(), expected.astype("int64").sort_index(), check_names=False)
+    assert counts["unexpected"].sum() > 0  # the undeclared negative control is red
+
+
+def test_dlogp_of_a_cell_with_itself_is_zero_and_bit_equal(tokens):
+    cell = {"profile": "negative_control_cpu", "tp": 1, "cell": CANONICAL_CELL}
+    diffs = analysis.dlogp(tokens, cell, cell)
+    assert len(diffs) == int(analysis.select(tokens, cell)["active"].sum()) > 0
+    assert diffs["bits_equal"].all() and (diffs["dlogp"] == 0).all()
+    assert analysis.first_divergence(diffs)["first_position"].isna().all()
+
+
+def test_dlogp_agrees_with_every_forward_invariance_verdict(tokens, checks):
+    rows = checks[(checks["judgment"] == "forward_invariance") & (checks[analysis.LEVEL] == analysis.RUN_LEVEL)]
+    assert (~rows["passed"]).any() and rows["passed"].any()
+    for row in rows.itertuples():
+        lhs = {analysis.RUN_DIR: row.run_dir, "cell": row.lhs_cell}
+        rhs = {analysis.RUN_DIR: row.run_dir, "cell": row.rhs_cell}
+        diffs = analysis.dlogp(tokens, lhs, rhs, tensor=row.tensor)
+        assert int((~diffs["bits_equal"]).sum()) == row.value  # metric: mismatched_tokens
+        assert row.passed == bool(diffs["bits_equal"].all())
+
+
+def test_dlogp_across_tp_agrees_with_the_tp_invariance_verdicts(tokens, checks):
+    rows = checks[checks["judgment"] == "tp_invariance"]
+    assert len(rows)
+    for row in rows.itertuples():
+        lhs = {"profile": row.profile, "tp": row.tp, "cell": row.lhs_cell}
+        baseline_tp = int(tokens.loc[tokens["profile"] == row.profile, "tp"].min())
+        rhs = {"profile": row.profile, "tp": baseline_tp, "cell": row.lhs_cell}
+        diffs = analysis.dlogp(tokens, lhs, rhs, tensor=row.tensor)
+        assert diffs["dlogp"].abs().max() == row.value  # metric: max_abs_diff
+        assert f"also bitwise: {bool(diffs['bits_equal'].all())}" in row.detail
+
+
+def test_first_divergence_matches_a_red_forward_invariance_row(tokens, checks):
+    red = checks[(checks["judgment"] == "forward_invariance") & ~checks["passed"] & (checks["tensor"] == "logp")]
+    assert len(red)
+    for row in red.itertuples():
+        diffs = analysis.dlogp(
+            tokens,
+            {analysis.RUN_DIR: row.run_dir, "cell": row.lhs_cell},
+            {analysis.RUN_DIR: row.run_dir, "cell": row.rhs_cell},
+        )
+        first = analysis.first_divergence(diffs).dropna(subset=["first_position"]).iloc[0]
+        assert (first["sample_id"], first["first_position"]) == (row.first_sample_id, row.first_position)
+        assert analysis.first_divergence(diffs)["diverging_tokens"].sum() == row.value
+
+
+def test_worst_tokens_rank_by_magnitude(tokens):
+    diffs = analysis.dlogp(
+        tokens, {"profile": "negative_control_cpu", "tp": 2}, {"profile": "cpu_bf16", "tp": 1, "cell": CANONICAL_CELL}
+    )
+    worst = analysis.worst_tokens(diffs, n=5)
+    assert len(worst) == 5
+    assert worst["dlogp"].abs().iloc[0] == diffs["dlogp"].abs().max() > 0
+    assert worst["dlogp"].abs().is_monotonic_decreasing
+
+
+def test_dlogp_against_the_reference(tokens):
+    selector = {"profile": "cpu_bf16", "tp": 1, "cell": CANONICAL_CELL}
+    diffs = analysis.dlogp(tokens, selector, analysis.REFERENCE)
+    chosen = analysis.select(tokens, selector)
+    chosen = chosen[chosen["active"]]
+    expected = chosen["logp"].astype("float64") - chosen["ref_logp"]
+    assert sorted(diffs["dlogp"]) == sorted(expected)
+    assert (diffs["dlogp"] != 0).any()
+
+
+def test_bad_selections_are_typed_errors_naming_the_selector(tokens):
+    with pytest.raises(SelectionError, match="picks 2 runs"):
+        analysis.dlogp(tokens, {"profile": "cpu_bf16", "tp": 2}, {"profile": "cpu_bf16", "cell": CANONICAL_CELL})
+    with pytest.raises(SelectionError, match="'nope'"):
+        analysis.dlogp(tokens, {"profile": "nope"}, analysis.REFERENCE)
+    with pytest.raises(SelectionError, match="'flavour' is not a column"):
+        analysis.select(tokens, {"flavour": 1})
+    with pytest.raises(SelectionError, match="only logp has a reference"):
+        analysis.dlogp(tokens, {"profile": "cpu_bf16"}, analysis.REFERENCE, tensor="lse")
+
+
+def test_missing_or_empty_paths_are_typed_errors(tmp_path):
+    with pytest.raises(TablesNotFoundError, match=str(tmp_path / "absent")):
+        analysis.load_tokens(tmp_path / "absent")
+    with pytest.raises(TablesNotFoundError, match=str(tmp_path)):
+        analysis.load_checks(tmp_path)
+
+
+def test_one_run_dir_loads_alone(small_sweep, tokens):
+    run_dir = analysis.run_dirs(small_sweep)[0]
+    one = analysis.load_tokens(run_dir)
+    assert set(one[analysis.RUN_DIR]) == {str(run_dir)}
+    assert len(one) == len(pd.read_parquet(run_dir / TOKENS_TABLE))
