@@ -65,6 +65,7 @@ class ProfileConfig:
     tf32: bool = False
     vocab_tile: int = 256
     determinism_scope: str = "fixed_topology"  # cross_tp_bitwise | fixed_topology
+    merge_order: str = "rank_shard"  # global_tile | rank_shard: how the TP partials are merged
     required_nodes: dict[str, str] = field(default_factory=dict)  # op node -> backend id
     expected_red: list[ExpectedVerdictConfig] = field(default_factory=list)
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -13,12 +15,8 @@ from rlsweep.workload import Workload
 REFERENCE_BACKEND = "reference"
 
 
-@dataclass(frozen=True)
-class KernelSettings:
-    backend: str
-    tp: int
-    tp_mode: str
-    vocab_tile: int
+# hidden[T, H], weight[V, H], targets[T] -> LogprobResult: a dispatched op, or the reference call.
+LogprobCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], kernels.LogprobResult]
 
 
 @dataclass(frozen=True)
@@ -56,22 +54,12 @@ def call_inputs(call: Call, workload: Workload, filler: Filler) -> tuple[torch.T
     return hidden, targets
 
 
-def run_cell(
-    cell: Cell, workload: Workload, weight: torch.Tensor, filler: Filler, settings: KernelSettings
-) -> CellResult:
+def run_cell(cell: Cell, workload: Workload, weight: torch.Tensor, filler: Filler, compute: LogprobCall) -> CellResult:
     """Every call of the cell, then logical order; kernels' typed errors propagate unchanged."""
     logps, lses, owners, provenance = [], [], [], []
     for call in cell.calls:
         hidden, targets = call_inputs(call, workload, filler)
-        result = kernels.lm_head_logprob(
-            hidden,
-            weight,
-            targets,
-            backend=settings.backend,
-            tp=settings.tp,
-            tp_mode=settings.tp_mode,
-            vocab_tile=settings.vocab_tile,
-        )
+        result = compute(hidden, weight, targets)
         logps.append(result.logp.cpu())
         lses.append(result.lse.cpu())
         owners.append(result.owner_rank.cpu())
@@ -90,5 +78,5 @@ def run_reference(
     canonical: Cell, workload: Workload, weight: torch.Tensor, filler: Filler, vocab_tile: int
 ) -> CellResult:
     """The float64 gold, once per run, on the canonical cell at tp=1."""
-    settings = KernelSettings(REFERENCE_BACKEND, tp=1, tp_mode="emulated", vocab_tile=vocab_tile)
-    return run_cell(canonical, workload, weight, filler, settings)
+    reference = partial(kernels.lm_head_logprob, backend=REFERENCE_BACKEND, vocab_tile=vocab_tile)
+    return run_cell(canonical, workload, weight, filler, reference)

@@ -8,6 +8,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from rlsweep.config import DEVICES
 from rlsweep.contract import CONTRACT_DTYPES, DETERMINISM_SCOPES, Contract, contract_from_mapping
 from rlsweep.environment import environment
 from rlsweep.errors import ConfigError
-from rlsweep.execute import CellResult, Filler, KernelSettings, run_cell, run_reference
+from rlsweep.execute import CellResult, Filler, run_cell, run_reference
 from rlsweep.judgments import (
     Verdict,
     apply_expected,
@@ -183,26 +184,14 @@ def execute(cfg: DictConfig, directory: Path) -> RunOutcome:
     else:
         check_distributed_devices(cfg)
         prepare_backend(profile)
-        dtype = EXECUTION_DTYPES[profile.execution_dtype]
-        head = build_lm_head(cfg.model, dtype=dtype, device=torch.device(profile.device))
-        run["weight_hash"] = head.weight_hash
-        verdicts.append(weight_pin_verdict(cfg.model.weight_sha256, head.weight_hash))
-        workload = build_workload(cfg.workload, cfg.model, head.weight, seed=cfg.seed, dtype=dtype)
-        cells = plan_cells(cfg.layout, workload)
-        filler = Filler(*workload.filler(filler_rows_needed(cells), cfg.model.vocab_size))
-        reference = run_reference(cells[0], workload, head.weight, filler, profile.vocab_tile)
-        observed["reference"] = unique_provenance(reference)
-        settings = KernelSettings(profile.backend_family, cfg.tp, cfg.tp_mode, profile.vocab_tile)
-        for cell in cells:
-            try:
-                results.append(run_cell(cell, workload, head.weight, filler, settings))
-            except kernels.BackendUnavailableError as err:
-                verdicts.append(provenance_verdict(cell.name, required, [], profile.backend_family, error=str(err)))
-                break
-        for result in results:
-            observed[result.cell.name] = unique_provenance(result)
-            verdicts.append(provenance_verdict(result.cell.name, required, result.provenance, profile.backend_family))
-        verdicts += judge(results, reference, workload, contract, profile.execution_dtype)
+        try:
+            op = dispatch(cfg)
+        except kernels.LogprobDispatchError as err:
+            verdicts.append(provenance_verdict("", required, [], profile.backend_family, error=str(err)))
+        else:
+            observed["dispatch"] = op.to_dict()
+            results, reference, workload = compute(cfg, op, run, verdicts, observed)
+            verdicts += judge(results, reference, workload, contract, profile.execution_dtype)
     verdicts = apply_expected(verdicts, expectations_for(config))
     metadata = {
         "config": config,
@@ -218,6 +207,55 @@ def execute(cfg: DictConfig, directory: Path) -> RunOutcome:
         directory, {TOKENS_TABLE: with_metadata(tokens, metadata), CHECKS_TABLE: with_metadata(checks, metadata)}
     )
     return RunOutcome(directory, run["run_id"], verdicts)
+
+
+def dispatch(cfg: DictConfig) -> kernels.LogprobOp:
+    """The profile's backend bound to the logprob contract the profile declares; its capability gates it."""
+    profile = cfg.profile
+    contract = kernels.LogprobContract.even(
+        cfg.model.vocab_size,
+        profile.vocab_tile,
+        cfg.tp,
+        dtype=profile.execution_dtype,
+        platform=profile.device,
+        determinism_scope=profile.determinism_scope,
+        merge_order=profile.merge_order,
+    )
+    return kernels.get_logprob_op(contract, profile.backend_family)
+
+
+def compute(
+    cfg: DictConfig, op: kernels.LogprobOp, run: dict[str, Any], verdicts: list[Verdict], observed: dict[str, Any]
+) -> tuple[list[CellResult], CellResult, Any]:
+    """Head, workload, the reference and every cell through ``op``; provenance verdicts appended as they come."""
+    profile = cfg.profile
+    required = dict(profile.required_nodes)
+    dtype = EXECUTION_DTYPES[profile.execution_dtype]
+    head = build_lm_head(cfg.model, dtype=dtype, device=torch.device(profile.device))
+    run["weight_hash"] = head.weight_hash
+    verdicts.append(weight_pin_verdict(cfg.model.weight_sha256, head.weight_hash))
+    workload = build_workload(cfg.workload, cfg.model, head.weight, seed=cfg.seed, dtype=dtype)
+    cells = plan_cells(cfg.layout, workload)
+    filler = Filler(*workload.filler(filler_rows_needed(cells), cfg.model.vocab_size))
+    reference = run_reference(cells[0], workload, head.weight, filler, profile.vocab_tile)
+    observed["reference"] = unique_provenance(reference)
+    candidate = partial(op, tp_mode=cfg.tp_mode)
+    results = []
+    for cell in cells:
+        try:
+            results.append(run_cell(cell, workload, head.weight, filler, candidate))
+        except kernels.BackendUnavailableError as err:
+            verdicts.append(provenance_verdict(cell.name, required, [], profile.backend_family, error=str(err)))
+            break
+        except kernels.ProvenanceMismatchError as err:
+            verdicts.append(
+                provenance_verdict(cell.name, required, [err.observed], profile.backend_family, error=str(err))
+            )
+            break
+    for result in results:
+        observed[result.cell.name] = unique_provenance(result)
+        verdicts.append(provenance_verdict(result.cell.name, required, result.provenance, profile.backend_family))
+    return results, reference, workload
 
 
 def judge(results: list[CellResult], reference: CellResult, workload, contract: Contract, dtype: str) -> list[Verdict]:

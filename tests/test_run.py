@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 import torch
-from rlsweep_fixtures import compose_run, run_rlsweep
+from rlsweep_fixtures import compose_run, run_rlsweep, tables_left
 
 from rlsweep.layouts import CANONICAL_CELL, plan_cells
 from rlsweep.model import build_lm_head
@@ -87,3 +87,21 @@ def test_expected_red_that_passes_is_red(tmp_path):
     _, checks = read(tmp_path)
     flipped = checks[checks.passed != checks.expected_pass]
     assert set(flipped.lhs_cell) == {"B1/full"} and flipped.passed.all()
+
+
+def test_a_profile_claiming_more_than_its_backend_keeps_is_refused_by_dispatch(tmp_path):
+    done = run_rlsweep(
+        tmp_path, "layout=smoke", "profile.determinism_scope=cross_tp_bitwise", "profile.merge_order=global_tile"
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    _, checks = read(tmp_path)
+    red = checks[~checks.passed]
+    assert list(red.judgment) == ["provenance"]
+    assert "aten: determinism scope 'cross_tp_bitwise' not guaranteed" in red.detail.iloc[0]
+
+
+def test_an_inconsistent_logprob_contract_is_a_usage_error(tmp_path):
+    done = run_rlsweep(tmp_path, "layout=smoke", "profile.determinism_scope=cross_tp_bitwise")
+    assert done.returncode == 1
+    assert "merge_order must be global_tile for cross_tp_bitwise; got 'rank_shard'" in done.stderr
+    assert tables_left(tmp_path) == []
