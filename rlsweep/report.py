@@ -30,10 +30,12 @@ REPORT_HTML = "report.html"
 HEATMAP_PNG = "dlogp_heatmap.png"
 HISTOGRAM_PNG = "dlogp_histogram.png"
 PLOTS = (HEATMAP_PNG, HISTOGRAM_PNG)
-RED, RED_EXPECTED_RED, EXPECTED_RED = "RED (expected pass)", "RED (expected red, passed)", "expected red"
-RED_COLUMNS = ["status", "profile", "model", "tp", "judgment", "tensor", "lhs_cell", "rhs_cell", "metric", "value"]
-RED_COLUMNS += ["threshold", "first_sample_id", "first_position", "run_dir"]
+RED, RED_EXPECTED_RED, EXPECTED_RED = "RED", "RED (declared red, passed)", "expected red"
+FIRST_DIVERGENCE = "first (sample, pos)"
+RED_COLUMNS = ["status", "profile", "tp", "judgment", "tensor", "lhs_cell", "rhs_cell", "metric", "value", "threshold"]
+RED_COLUMNS += [FIRST_DIVERGENCE, "run_dir"]
 GATE_WORDS = {0: "GREEN", 1: "CRASHED JOB", 2: "RED"}
+RED_WORDS = (GATE_WORDS[1], GATE_WORDS[2])
 
 
 @dataclass
@@ -54,8 +56,13 @@ def red_verdicts(checks: pd.DataFrame) -> pd.DataFrame:
     status = pd.Series(EXPECTED_RED, index=chosen.index)
     status[chosen["passed"] != chosen["expected_pass"]] = RED
     status[chosen["passed"] & ~chosen["expected_pass"]] = RED_EXPECTED_RED
+    first = [
+        "" if pd.isna(sample) else f"({sample}, {position})"
+        for sample, position in zip(chosen["first_sample_id"], chosen["first_position"], strict=True)
+    ]
     order = status.map({RED: 0, RED_EXPECTED_RED: 1, EXPECTED_RED: 2}).sort_values(kind="stable").index
-    return chosen.assign(status=status).loc[order, RED_COLUMNS].reset_index(drop=True)
+    chosen = chosen.assign(status=status, **{FIRST_DIVERGENCE: first})
+    return chosen.loc[order, RED_COLUMNS].reset_index(drop=True)
 
 
 def verdict_grid(checks: pd.DataFrame) -> pd.DataFrame:
@@ -82,6 +89,7 @@ def build_sections(root: Path, result: GateResult, tokens: pd.DataFrame, checks:
     runs[analysis.RUN_DIR] = relative(runs[analysis.RUN_DIR], root)
     red = red_verdicts(checks)
     red["run_dir"] = relative(red["run_dir"], root)
+    red[["value", "threshold"]] = red[["value", "threshold"]].map("{:.4g}".format)
     unexpected = int((red["status"] != EXPECTED_RED).sum())
     gate = GATE_WORDS[result.exit_code]
     status = (
@@ -114,8 +122,8 @@ def build_sections(root: Path, result: GateResult, tokens: pd.DataFrame, checks:
             "Red verdicts",
             [
                 f"{RED!r}: failed though expected to pass; {RED_EXPECTED_RED!r}: a declared-red verdict that passed "
-                f"(the control lost its power); {EXPECTED_RED!r}: failed as declared. first_sample_id/"
-                "first_position: the first diverging logical token."
+                f"(the control lost its power); {EXPECTED_RED!r}: failed as declared. {FIRST_DIVERGENCE!r}: the first "
+                "diverging logical token (sample_id, position)."
             ]
             if len(red)
             else ["No failed verdict."],
@@ -144,8 +152,9 @@ def render_markdown(title: str, sections: Sequence[Section]) -> str:
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; padding: 0 1em; color: #222; }
-table { border-collapse: collapse; font-size: 0.85em; margin: 0.5em 0 1.5em; }
-th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; }
+.table { overflow-x: auto; margin: 0.5em 0 1.5em; }
+table { border-collapse: collapse; font-size: 0.78em; }
+th, td { border: 1px solid #ccc; padding: 0.2em 0.5em; text-align: left; white-space: nowrap; }
 th { background: #f2f2f2; } tr:nth-child(even) td { background: #fafafa; }
 img { max-width: 100%; border: 1px solid #ddd; }
 .status-red { color: #b00020; font-weight: bold; }
@@ -155,7 +164,9 @@ img { max-width: 100%; border: 1px solid #ddd; }
 def html_paragraph(text: str) -> str:
     escaped = html.escape(text)
     parts = escaped.split("**")  # the only Markdown the report's paragraphs use is **bold**
-    return "<p>" + "".join(f"<b>{p}</b>" if i % 2 else p for i, p in enumerate(parts)) + "</p>"
+    bold = [f'<b class="status-red">{p}</b>' if p in RED_WORDS else f"<b>{p}</b>" for p in parts[1::2]]
+    parts[1::2] = bold
+    return "<p>" + "".join(parts) + "</p>"
 
 
 def render_html(title: str, sections: Sequence[Section], images: dict[str, bytes]) -> str:
@@ -163,7 +174,12 @@ def render_html(title: str, sections: Sequence[Section], images: dict[str, bytes
     for section in sections:
         body += [f"<h2>{html.escape(section.title)}</h2>", *map(html_paragraph, section.paragraphs)]
         if section.table is not None:
-            body.append(section.table.to_html(index=False, escape=True, na_rep="", border=0))
+            table = section.table.to_html(index=False, escape=True, na_rep="", border=0)
+            for word in (RED, RED_EXPECTED_RED):  # the verdicts that make the gate red stand out
+                table = table.replace(
+                    f"<td>{html.escape(word)}</td>", f'<td class="status-red">{html.escape(word)}</td>'
+                )
+            body.append(f'<div class="table">{table}</div>')  # a wide table scrolls, not the page
         if section.image:
             data = base64.b64encode(images[section.image]).decode("ascii")
             body.append(f'<img alt="{html.escape(section.title)}" src="data:image/png;base64,{data}">')

@@ -53,7 +53,7 @@ def test_the_red_table_lists_every_unexpected_verdict_with_its_first_divergence(
     assert len(rows) == len(red)
     for row in red.itertuples():
         cells = f"| {row.judgment} | {row.tensor} | {row.lhs_cell} | {row.rhs_cell} |"
-        first = f"| {row.first_sample_id} | {row.first_position} |"
+        first = f"| ({row.first_sample_id}, {row.first_position}) |"
         assert any(cells in line and first in line and f"| {row.tp} |" in line for line in rows), row
 
 
