@@ -246,7 +246,7 @@ def verdict_rows(run: RunTables, verdicts: Sequence[Verdict]) -> list[dict[str, 
 def write_sweep_outputs(root: Path, result: GateResult) -> None:
     """sweep_checks.parquet (same schema as checks.parquet) and summary.md, both written atomically."""
     table = pa.Table.from_pandas(result.sweep_checks, schema=CHECKS_SCHEMA, preserve_index=False)
-    write_tables(root, {SWEEP_CHECKS_TABLE: table}, text={SUMMARY_FILE: summary_markdown(result)})
+    write_tables(root, {SWEEP_CHECKS_TABLE: table}, files={SUMMARY_FILE: summary_markdown(result)})
 
 
 def count_verdicts(checks: pd.DataFrame, by: Sequence[str] = VERDICT_GROUPS) -> pd.DataFrame:

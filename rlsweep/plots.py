@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import io
-import os
-import tempfile
 from collections.abc import Mapping
-from pathlib import Path
 
 import matplotlib
 
@@ -128,15 +125,3 @@ def png_bytes(fig: Figure) -> bytes:
     fig.savefig(buffer, format="png", dpi=DPI)
     plt.close(fig)
     return buffer.getvalue()
-
-
-def write_png(path: Path, data: bytes) -> None:
-    """Temporary file in the same folder, then rename: a reader never sees half an image."""
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as out:
-            out.write(data)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise

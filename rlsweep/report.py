@@ -207,10 +207,8 @@ def write_report(root: Path, out: Path, result: GateResult) -> list[Path]:
     sections = build_sections(root, result, tokens, checks)
     title = f"rlsweep report: {root}"
     out.mkdir(parents=True, exist_ok=True)
-    for name, data in images.items():
-        plots.write_png(out / name, data)
     text = {REPORT_MARKDOWN: render_markdown(title, sections), REPORT_HTML: render_html(title, sections, images)}
-    write_tables(out, {}, text=text)
+    write_tables(out, {}, files={**images, **text})
     return [out / name for name in [*images, *text]]
 
 

@@ -97,24 +97,32 @@ def check_writable(directory: Path) -> None:
         raise OutputDirError(f"output directory {str(directory)!r} cannot be written: {err.strerror or err}") from err
 
 
-def write_tables(directory: Path, tables: Mapping[str, pa.Table], *, text: Mapping[str, str] | None = None) -> None:
-    """Write every table (and text file) to a temporary file, then rename them in the given order.
+def write_tables(
+    directory: Path, tables: Mapping[str, pa.Table], *, files: Mapping[str, str | bytes] | None = None
+) -> None:
+    """Write every file and table to a temporary file, then rename them in order, tables last.
 
-    On any error nothing new is left behind; the last name renamed is the completion marker.
+    On any error nothing new is left behind; the last name renamed is the completion marker. The
+    files get the permissions an ordinary ``open`` would give (the temporaries are private).
     """
     check_writable(directory)
-    text = text or {}
+    files = files or {}
+    mode = 0o666 & ~current_umask()
     temporaries: dict[str, str] = {}
     renamed: list[Path] = []
     try:
-        for name in [*text, *tables]:
+        for name in [*files, *tables]:
             handle, temporary = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
             os.close(handle)
             temporaries[name] = temporary
-            if name in text:
-                Path(temporary).write_text(text[name])
+            content = files.get(name)
+            if isinstance(content, str):
+                Path(temporary).write_text(content)
+            elif isinstance(content, bytes):
+                Path(temporary).write_bytes(content)
             else:
                 pq.write_table(tables[name], temporary)
+            os.chmod(temporary, mode)
         for name in temporaries:
             os.replace(temporaries[name], directory / name)
             renamed.append(directory / name)
@@ -122,6 +130,12 @@ def write_tables(directory: Path, tables: Mapping[str, pa.Table], *, text: Mappi
         for path in [*temporaries.values(), *renamed]:
             Path(path).unlink(missing_ok=True)
         raise
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def run_is_complete(directory: str | os.PathLike[str]) -> bool:
