@@ -11,7 +11,7 @@ from kernels import (  # noqa: F401  (register the backends)
     triton_backend,
 )
 from kernels.backend import BACKENDS, LogprobBackend, ShardPartials, register_backend
-from kernels.bitwise import bit_pattern, first_bit_difference
+from kernels.bitwise import bit_pattern, bit_view, first_bit_difference
 from kernels.capability import ImplementationKind, LogprobBackendCapability
 from kernels.contract import (
     PLATFORMS,
@@ -35,6 +35,7 @@ from kernels.dispatch import (
     resolve_logprob_backend,
     unregister_logprob_backend,
 )
+from kernels.distributed import RankGroup, distributed_ranks
 from kernels.errors import (
     BackendUnavailableError,
     DtypeMismatchError,
@@ -86,6 +87,7 @@ __all__ = [
     "Provenance",
     "ProvenanceMismatchError",
     "RankAgreement",
+    "RankGroup",
     "ReductionSpec",
     "ShapeMismatchError",
     "ShardPartials",
@@ -93,6 +95,8 @@ __all__ = [
     "TPConfigError",
     "TargetOutOfRangeError",
     "bit_pattern",
+    "bit_view",
+    "distributed_ranks",
     "dtype_name",
     "first_bit_difference",
     "get_logprob_op",

@@ -7,9 +7,14 @@ import torch
 _INT_OF_WIDTH = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def bit_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a float tensor as same-width integers, on its own device (NaN-safe; -0.0 != 0.0)."""
+    return tensor.detach().contiguous().view(_INT_OF_WIDTH[tensor.element_size()])
+
+
 def bit_pattern(tensor: torch.Tensor) -> torch.Tensor:
-    """The raw bits of a float tensor as integers on the CPU (NaN-safe; -0.0 differs from 0.0)."""
-    return tensor.detach().contiguous().view(_INT_OF_WIDTH[tensor.element_size()]).cpu()
+    """``bit_view`` on the CPU, for comparing and storing."""
+    return bit_view(tensor).cpu()
 
 
 def first_bit_difference(lhs: torch.Tensor, rhs: torch.Tensor) -> int | None:

@@ -1,13 +1,21 @@
 """tp_mode="distributed": real ranks with torch.distributed (gloo on CPU, NCCL with one GPU per rank).
 
-Each rank runs the same per-rank code as the emulated mode (``rank_forward``), all-gathers the
-per-tile partials and target logits, and merges them with the same ``finish``; rank 0 hands the
-replicated result back to the caller through a file in a private temporary directory.
+A ``RankGroup`` spawns ``tp`` rank processes once and keeps them for many calls: the weight travels
+to the ranks once, each call sends only hidden states and targets. Each rank runs the same per-rank
+code as the emulated mode (``rank_forward``), all-gathers the per-tile partials and target logits,
+merges them with the same ``finish`` and checks that every rank holds the same bits; rank 0 sends the
+replicated result back. ``lm_head_logprob(..., tp_mode="distributed")`` uses the group opened with
+``distributed_ranks(...)`` when one matches the call, else a group for that call alone.
 """
 
 from __future__ import annotations
 
+import contextlib
+import queue
 import tempfile
+import traceback
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,46 +24,122 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kernels.backend import ShardPartials, get_backend
+from kernels.bitwise import bit_view
 from kernels.errors import TPConfigError
 from kernels.lm_head import LogprobResult, RankOutput, finish, rank_forward
 from kernels.sharding import ShardingSpec
+
+POLL_SECONDS = 1.0  # how often the caller checks that every rank process is still alive
+STOP = "stop"
+
+
+class RankGroup:
+    """``tp`` live rank processes for one backend, vocab tile and device type."""
+
+    def __init__(self, backend: str, tp: int, vocab_tile: int, device_type: str):
+        if device_type == "cuda" and torch.cuda.device_count() < tp:
+            raise TPConfigError(
+                f"tp_mode=distributed with tp={tp} needs {tp} GPUs (one per rank); "
+                f"this machine has {torch.cuda.device_count()}"
+            )
+        get_backend(backend)  # an unknown id fails here, before any process starts
+        self.key = (backend, tp, vocab_tile, device_type)
+        self.weight_key: tuple | None = None
+        self._workdir = tempfile.TemporaryDirectory(prefix="rlsweep-tp-")
+        context = mp.get_context("spawn")
+        self._requests = [context.Queue() for _ in range(tp)]
+        self._replies = context.Queue()
+        args = (tp, backend, vocab_tile, device_type, self._workdir.name)
+        self._ranks = [
+            context.Process(target=rank_loop, args=(rank, *args, self._requests[rank], self._replies), daemon=True)
+            for rank in range(tp)
+        ]
+        for process in self._ranks:
+            process.start()
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> LogprobResult:
+        """One distributed call; the weight is sent only when it is not the one the ranks hold."""
+        # Same storage, shape and in-place version counter: the ranks already hold this weight.
+        weight_key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, str(weight.device), weight._version)
+        # Copies: the queue moves a CPU tensor's storage into shared memory, which must not be the caller's.
+        new_weight = None if weight_key == self.weight_key else weight.detach().to("cpu", copy=True)
+        message = (hidden.detach().to("cpu", copy=True), targets.to("cpu", copy=True), new_weight)
+        for requests in self._requests:
+            requests.put(message)
+        self.weight_key = weight_key
+        out = self._collect()
+        return replace(
+            out,
+            logp=out.logp.to(hidden.device),
+            lse=out.lse.to(hidden.device),
+            active=out.active.to(hidden.device),
+            owner_rank=out.owner_rank.to(hidden.device),
+        )
+
+    def _collect(self) -> LogprobResult:
+        """Every rank's reply; a rank that failed or died ends the group and raises."""
+        pending, result = set(range(len(self._ranks))), None
+        while pending:
+            try:
+                status, rank, payload = self._replies.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                dead = [r for r in pending if not self._ranks[r].is_alive()]
+                if dead:
+                    self.close()
+                    raise RuntimeError(f"distributed rank(s) {dead} died (exit codes "
+                                       f"{[self._ranks[r].exitcode for r in dead]})") from None  # fmt: skip
+                continue
+            if status == "error":
+                self.close()
+                raise RuntimeError(
+                    f"distributed rank {rank} failed (backend={self.key[0]}, tp={self.key[1]}):\n{payload}"
+                )
+            pending.discard(rank)
+            result = payload if rank == 0 else result
+        return result
+
+    def close(self) -> None:
+        for process, requests in zip(self._ranks, self._requests, strict=True):
+            if process.is_alive():
+                requests.put(STOP)
+        for process in self._ranks:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.terminate()
+        self._workdir.cleanup()
+
+
+ACTIVE_GROUP: ContextVar[RankGroup | None] = ContextVar("ACTIVE_GROUP", default=None)
+
+
+@contextlib.contextmanager
+def distributed_ranks(backend: str, tp: int, vocab_tile: int, device_type: str) -> Iterator[RankGroup]:
+    """Keep ``tp`` ranks alive for every distributed call with these settings inside the block."""
+    group = RankGroup(backend, tp, vocab_tile, device_type)
+    token = ACTIVE_GROUP.set(group)
+    try:
+        yield group
+    finally:
+        ACTIVE_GROUP.reset(token)
+        group.close()
 
 
 def run_distributed(
     backend: str, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, sharding: ShardingSpec
 ) -> LogprobResult:
-    """Spawn ``sharding.world_size`` ranks, each computing its shard; return rank 0's merged result."""
-    tp = sharding.world_size
-    if hidden.is_cuda and torch.cuda.device_count() < tp:
-        raise TPConfigError(
-            f"tp_mode=distributed with tp={tp} needs {tp} GPUs (one per rank); "
-            f"this machine has {torch.cuda.device_count()}"
-        )
-    device_type = hidden.device.type
-    with tempfile.TemporaryDirectory(prefix="rlsweep-tp-") as workdir:
-        torch.save({"hidden": hidden.cpu(), "weight": weight.cpu(), "targets": targets.cpu()}, f"{workdir}/inputs.pt")
-        try:
-            mp.start_processes(
-                _rank_main,
-                args=(tp, backend, sharding.vocab_tile, device_type, workdir),
-                nprocs=tp,
-                join=True,
-                start_method="spawn",
-            )
-        except mp.ProcessRaisedException as err:
-            raise RuntimeError(f"a distributed rank failed (tp={tp}, backend={backend}):\n{err}") from err
-        out = torch.load(f"{workdir}/result.pt", weights_only=False)
-    device = hidden.device
-    return replace(
-        out,
-        logp=out.logp.to(device),
-        lse=out.lse.to(device),
-        active=out.active.to(device),
-        owner_rank=out.owner_rank.to(device),
-    )
+    """The open group's ranks when it matches this call, else ranks spawned for this call alone."""
+    key = (backend, sharding.world_size, sharding.vocab_tile, hidden.device.type)
+    group = ACTIVE_GROUP.get()
+    if group is not None and group.key == key:
+        return group(hidden, weight, targets)
+    with distributed_ranks(*key) as one_shot:
+        return one_shot(hidden, weight, targets)
 
 
-def _rank_main(rank: int, world: int, backend: str, vocab_tile: int, device_type: str, workdir: str) -> None:
+def rank_loop(
+    rank: int, world: int, backend: str, vocab_tile: int, device_type: str, workdir: str, requests, replies
+) -> None:
+    """A rank process: join the group, then serve calls until told to stop."""
     on_cuda = device_type == "cuda"
     if on_cuda:
         torch.cuda.set_device(rank)
@@ -65,37 +149,42 @@ def _rank_main(rank: int, world: int, backend: str, vocab_tile: int, device_type
         rank=rank,
         world_size=world,
     )
+    device = torch.device("cuda", rank) if on_cuda else torch.device("cpu")
+    impl, weight = get_backend(backend), None
     try:
-        device = torch.device("cuda", rank) if on_cuda else torch.device("cpu")
-        inputs = torch.load(f"{workdir}/inputs.pt", mmap=True)
-        hidden, weight, targets = (inputs[k].to(device) for k in ("hidden", "weight", "targets"))
-        impl = get_backend(backend)
-        sharding = ShardingSpec.even(weight.shape[0], vocab_tile, world, rank)
-        mine = rank_forward(impl, hidden, weight, targets, sharding)
-        ranks = [mine] if mine.partials is None else _all_gather_partials(mine)
-        result = finish(impl, targets, sharding, ranks, tp_mode="distributed")
-        _check_replicas_agree(result)
-        if rank == 0:
-            cpu = replace(
-                result,
-                logp=result.logp.cpu(),
-                lse=result.lse.cpu(),
-                active=result.active.cpu(),
-                owner_rank=result.owner_rank.cpu(),
-            )
-            torch.save(cpu, f"{workdir}/result.pt")
+        while (request := requests.get()) != STOP:
+            hidden, targets, new_weight = request
+            try:
+                if new_weight is not None:
+                    weight = new_weight.to(device)
+                hidden, targets = hidden.to(device), targets.to(device)
+                sharding = ShardingSpec.even(weight.shape[0], vocab_tile, world, rank)
+                mine = rank_forward(impl, hidden, weight, targets, sharding)
+                ranks = [mine] if mine.partials is None else all_gather_partials(mine)
+                result = finish(impl, targets, sharding, ranks, tp_mode="distributed")
+                check_replicas_agree(result)
+            except Exception:  # any failure goes back to the caller, which ends the group
+                replies.put(("error", rank, traceback.format_exc()))
+                return
+            replies.put(("ok", rank, to_cpu(result) if rank == 0 else None))
     finally:
         dist.destroy_process_group()
 
 
-def _all_gather_partials(mine: RankOutput) -> list[RankOutput]:
-    """Every rank's partials, in rank order (which is global tile order)."""
-    fields = (
-        mine.partials.maxes,
-        mine.partials.sumexps,
-        mine.partials.target_logit,
-        mine.partials.owned.to(torch.uint8),
+def to_cpu(result: LogprobResult) -> LogprobResult:
+    return replace(
+        result,
+        logp=result.logp.cpu(),
+        lse=result.lse.cpu(),
+        active=result.active.cpu(),
+        owner_rank=result.owner_rank.cpu(),
     )
+
+
+def all_gather_partials(mine: RankOutput) -> list[RankOutput]:
+    """Every rank's partials, in rank order (which is global tile order)."""
+    partials = mine.partials
+    fields = (partials.maxes, partials.sumexps, partials.target_logit, partials.owned.to(torch.uint8))
     gathered = []
     for tensor in fields:
         parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
@@ -112,11 +201,10 @@ def _all_gather_partials(mine: RankOutput) -> list[RankOutput]:
     ]
 
 
-def _check_replicas_agree(result: LogprobResult) -> None:
+def check_replicas_agree(result: LogprobResult) -> None:
     """The output is replicated: every rank must hold the same bits, or the merge is not deterministic."""
     for name in ("logp", "lse"):
-        mine = getattr(result, name).contiguous()
-        bits = mine.view(torch.int32 if mine.dtype == torch.float32 else torch.int64)
+        bits = bit_view(getattr(result, name))  # on the rank's device: NCCL gathers GPU tensors
         parts = [torch.empty_like(bits) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, bits)
         if any(not torch.equal(parts[0], p) for p in parts[1:]):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -241,17 +242,25 @@ def compute(
     observed["reference"] = unique_provenance(reference)
     candidate = partial(op, tp_mode=cfg.tp_mode)
     results = []
-    for cell in cells:
-        try:
-            results.append(run_cell(cell, workload, head.weight, filler, candidate))
-        except kernels.BackendUnavailableError as err:
-            verdicts.append(provenance_verdict(cell.name, required, [], profile.backend_family, error=str(err)))
-            break
-        except kernels.ProvenanceMismatchError as err:
-            verdicts.append(
-                provenance_verdict(cell.name, required, [err.observed], profile.backend_family, error=str(err))
-            )
-            break
+    # Distributed ranks are spawned once per run and serve every call of every cell.
+    ranks = (
+        kernels.distributed_ranks(profile.backend_family, cfg.tp, profile.vocab_tile, profile.device)
+        if cfg.tp_mode == "distributed"
+        else contextlib.nullcontext()
+    )
+    with ranks:
+        for cell in cells:
+            try:
+                results.append(run_cell(cell, workload, head.weight, filler, candidate))
+            except kernels.BackendUnavailableError as err:
+                verdicts.append(provenance_verdict(cell.name, required, [], profile.backend_family, error=str(err)))
+                break
+            except kernels.ProvenanceMismatchError as err:
+                observed_calls = [err.observed]
+                verdicts.append(
+                    provenance_verdict(cell.name, required, observed_calls, profile.backend_family, error=str(err))
+                )
+                break
     for result in results:
         observed[result.cell.name] = unique_provenance(result)
         verdicts.append(provenance_verdict(result.cell.name, required, result.provenance, profile.backend_family))

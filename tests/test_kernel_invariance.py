@@ -84,3 +84,22 @@ def test_triton_distributed_gloo_equals_emulated(tp, make_inputs):
     for name in ("logp", "lse", "owner_rank"):
         a, b = getattr(emulated, name), getattr(distributed, name)
         assert kernels.first_bit_difference(a.double(), b.double()) is None, f"{name} differs (seed {inp.seed})"
+
+
+def test_one_rank_group_serves_many_calls_and_follows_a_new_weight(make_inputs):
+    if not triton_runs_on("cpu"):
+        pytest.skip("gloo ranks run the Triton interpreter on the CPU")
+    first = make_inputs(9, HIDDEN, VOCAB, torch.bfloat16, "cpu")
+    second = make_inputs(4, HIDDEN, VOCAB, torch.bfloat16, "cpu")
+    calls = [(first.hidden, first.weight, first.targets), (first.hidden[:3], first.weight, first.targets[:3])]
+    calls.append((second.hidden, second.weight, second.targets))  # a new weight must reach the ranks
+    with kernels.distributed_ranks("triton", tp=2, vocab_tile=TILE, device_type="cpu"):
+        served = [
+            kernels.lm_head_logprob(h, w, t, backend="triton", tp=2, tp_mode="distributed", vocab_tile=TILE)
+            for h, w, t in calls
+        ]
+    for (h, w, t), got in zip(calls, served, strict=True):
+        want = kernels.lm_head_logprob(h, w, t, backend="triton", tp=2, vocab_tile=TILE)
+        for name in ("logp", "lse"):
+            index = kernels.first_bit_difference(getattr(want, name), getattr(got, name))
+            assert index is None, f"{name} row {index} differs (seeds {first.seed}, {second.seed})"
