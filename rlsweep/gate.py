@@ -8,7 +8,7 @@ the same model, weights, workload, seed and tp. Reading from disk makes the gate
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from itertools import combinations
 from pathlib import Path
 from typing import Any
@@ -17,10 +17,11 @@ import pandas as pd
 import pyarrow as pa
 import torch
 
+import kernels
 from rlsweep.config import ExpectedVerdictConfig
 from rlsweep.contract import Contract, contract_from_mapping
 from rlsweep.errors import RlsweepError
-from rlsweep.judgments import FORWARD_TENSORS, Verdict, apply_expected, expectations_for
+from rlsweep.judgments import FORWARD_TENSORS, Verdict, apply_expected, compare_tokens, expectations_for
 from rlsweep.layouts import CANONICAL_CELL
 from rlsweep.tables import (
     CHECKS_SCHEMA,
@@ -162,67 +163,16 @@ def compare_cell(judgment: str, lhs: RunTables, rhs: RunTables, cell: str, scope
     joined = aligned(lhs, rhs, cell)
     dtype = lhs.config["profile"]["execution_dtype"]
     roles = lhs.contract.roles_for(judgment)
+    keys = tuple(torch.from_numpy(joined[key].to_numpy(copy=True)) for key in ("sample_id", "position"))
     verdicts = []
     for tensor in FORWARD_TENSORS:
-        tolerance = (
-            lhs.contract.tolerance(judgment, tensor, dtype, scope=scope)
-            if scope
-            else lhs.contract.tolerance(judgment, tensor, dtype)
-        )
         left = torch.from_numpy(joined[f"{tensor}_lhs"].to_numpy(copy=True))
         right = torch.from_numpy(joined[f"{tensor}_rhs"].to_numpy(copy=True))
-        if len(joined) == 0:
-            verdicts.append(
-                Verdict(
-                    judgment,
-                    tensor,
-                    *roles,
-                    cell,
-                    cell,
-                    metric="active_tokens",
-                    value=0.0,
-                    threshold=1.0,
-                    passed=False,
-                    detail=f"no common active token: {lhs.label} vs {rhs.label}",
-                )
-            )
-            continue
-        result = tolerance.check(left, right)
-        bitwise = tolerance.mode == "bitwise" or (
-            result.max_abs_diff == 0.0 and bool((left.view(torch.int32) == right.view(torch.int32)).all())
-        )
-        first = (
-            (None, None)
-            if result.first_index is None
-            else tuple(int(v) for v in joined.loc[result.first_index, ["sample_id", "position"]])
-        )
-        metric, value = (
-            ("mismatched_tokens", float(result.mismatches))
-            if tolerance.mode == "bitwise"
-            else ("max_abs_diff", result.max_abs_diff)
-        )
-        detail = (
-            f"{lhs.label} vs {rhs.label} ({rhs.run['run_id']}); {tolerance.mode} {tensor}: "
-            f"{result.mismatches} of {len(joined)} active tokens outside; also bitwise: {bitwise}"
-        )
-        if first[0] is not None:
-            detail += f"; first at (sample_id={first[0]}, position={first[1]})"
-        verdicts.append(
-            Verdict(
-                judgment,
-                tensor,
-                *roles,
-                cell,
-                cell,
-                metric=metric,
-                value=value,
-                threshold=tolerance.threshold,
-                passed=result.passed,
-                first_sample_id=first[0],
-                first_position=first[1],
-                detail=detail,
-            )
-        )
+        tolerance = lhs.contract.tolerance(judgment, tensor, dtype, scope=scope)
+        verdict = compare_tokens(judgment, tensor, roles, (cell, cell), left, right, tolerance, keys)
+        bitwise = len(joined) > 0 and kernels.first_bit_difference(left, right) is None
+        detail = f"{lhs.label} vs {rhs.label} ({rhs.run['run_id']}); {verdict.detail}; also bitwise: {bitwise}"
+        verdicts.append(replace(verdict, detail=detail))
     return verdicts
 
 

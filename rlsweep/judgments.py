@@ -49,12 +49,36 @@ class Verdict:
         return self.passed == self.expected_pass
 
 
-def first_key(workload: Workload, rows: torch.Tensor, index: int | None) -> tuple[int | None, int | None]:
-    """(sample_id, position) of the ``index``-th judged row; rows are in logical order, so it is the first."""
-    if index is None:
-        return None, None
-    row = int(rows[index])
-    return int(workload.sample_ids[row]), int(workload.positions[row])
+def compare_tokens(
+    judgment: str,
+    tensor: str,
+    roles: tuple[str, str],
+    cells: tuple[str, str],
+    lhs: torch.Tensor,
+    rhs: torch.Tensor,
+    tolerance: Tolerance,
+    keys: tuple[torch.Tensor, torch.Tensor],
+) -> Verdict:
+    """One contract row on lhs[N] vs rhs[N], the judged tokens in logical order; keys: (sample_id[N], position[N])."""
+    if lhs.numel() == 0:
+        return Verdict(judgment, tensor, *roles, *cells, metric="active_tokens", value=0.0, threshold=1.0,
+                       passed=False, detail="no active token to judge")  # fmt: skip
+    result = tolerance.check(lhs, rhs)
+    first = result.first_index
+    sample_id, position = (None, None) if first is None else (int(keys[0][first]), int(keys[1][first]))
+    count = lhs.numel()
+    if tolerance.mode == "bitwise":
+        metric, value = "mismatched_tokens", float(result.mismatches)
+        detail = f"bitwise {tensor}: {result.mismatches} of {count} active tokens differ"
+    else:
+        metric, value = "max_abs_diff", result.max_abs_diff
+        bound = f"{tolerance.atol:g} + {tolerance.rtol:g}*|rhs|"
+        detail = f"|{tensor} diff| <= {bound}: {result.mismatches} of {count} active tokens exceed"
+    if first is not None:
+        detail += f"; first at (sample_id={sample_id}, position={position}); max |diff| {result.max_abs_diff:.3g}"
+    return Verdict(judgment, tensor, *roles, *cells, metric=metric, value=value, threshold=tolerance.threshold,
+                   passed=result.passed, first_sample_id=sample_id, first_position=position,
+                   detail=detail)  # fmt: skip
 
 
 def compare(
@@ -67,44 +91,10 @@ def compare(
     tolerance: Tolerance,
     workload: Workload,
 ) -> Verdict:
-    """One tolerance row applied to the active tokens of two logical-order tensors."""
+    """One contract row on the active tokens of two logical-order tensors lhs[T], rhs[T]."""
     rows = torch.nonzero(workload.active)[:, 0]
-    if rows.numel() == 0:
-        return Verdict(
-            judgment,
-            tensor,
-            *roles,
-            *cells,
-            metric="active_tokens",
-            value=0.0,
-            threshold=1.0,
-            passed=False,
-            detail="no active token to judge",
-        )
-    result = tolerance.check(lhs[rows], rhs[rows])
-    sample_id, position = first_key(workload, rows, result.first_index)
-    if tolerance.mode == "bitwise":
-        metric, value = "mismatched_tokens", float(result.mismatches)
-        detail = f"bitwise {tensor}: {result.mismatches} of {len(rows)} active tokens differ"
-    else:
-        metric, value = "max_abs_diff", result.max_abs_diff
-        bound = f"{tolerance.atol:g} + {tolerance.rtol:g}*|rhs|"
-        detail = f"|{tensor} diff| <= {bound}: {result.mismatches} of {len(rows)} active tokens exceed"
-    if result.first_index is not None:
-        detail += f"; first at (sample_id={sample_id}, position={position}); max |diff| {result.max_abs_diff:.3g}"
-    return Verdict(
-        judgment,
-        tensor,
-        *roles,
-        *cells,
-        metric=metric,
-        value=value,
-        threshold=tolerance.threshold,
-        passed=result.passed,
-        first_sample_id=sample_id,
-        first_position=position,
-        detail=detail,
-    )
+    keys = (workload.sample_ids[rows], workload.positions[rows])
+    return compare_tokens(judgment, tensor, roles, cells, lhs[rows], rhs[rows], tolerance, keys)
 
 
 def forward_accuracy(
