@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import warnings
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ from rlsweep.tables import (
 )
 from rlsweep.workload import build_workload
 
+log = logging.getLogger(__name__)
 EXECUTION_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 assert set(EXECUTION_DTYPES) == set(CONTRACT_DTYPES)
 
@@ -249,7 +251,8 @@ def compute(
         else contextlib.nullcontext()
     )
     with ranks:
-        for cell in cells:
+        for number, cell in enumerate(cells, start=1):
+            log.info("cell %d/%d %s: %d kernel calls", number, len(cells), cell.name, len(cell.calls))
             try:
                 results.append(run_cell(cell, workload, head.weight, filler, candidate))
             except kernels.BackendUnavailableError as err:

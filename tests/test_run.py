@@ -51,6 +51,8 @@ def test_default_run_writes_both_tables_and_passes(tmp_path):
     metadata = read_metadata(tmp_path / CHECKS_TABLE)
     assert {"config", "contract", "observed_provenance", "environment", "started", "finished"} <= set(metadata)
     assert metadata["environment"]["torch"] == torch.__version__
+    progress = done.stdout + done.stderr
+    assert all(f"cell {i}/{len(cells)} {name}:" in progress for i, name in enumerate(cells, start=1))
 
 
 def test_triton_smoke_layout_is_bitwise_across_cells(tmp_path):
