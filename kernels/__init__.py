@@ -14,6 +14,7 @@ from kernels.backend import BACKENDS, LogprobBackend, ShardPartials, register_ba
 from kernels.bitwise import bit_pattern, bit_view, first_bit_difference
 from kernels.capability import ImplementationKind, LogprobBackendCapability
 from kernels.contract import (
+    EXECUTION_DTYPE_NAMES,
     PLATFORMS,
     DeterminismScope,
     LogprobContract,
@@ -56,11 +57,13 @@ from kernels.provenance import (
     require_provenance,
 )
 from kernels.sharding import ShardingSpec, padded_vocab_size
-from kernels.validation import IGNORE_INDEX
+from kernels.validation import EXECUTION_DTYPES, IGNORE_INDEX
 
 __all__ = [
     "BACKENDS",
     "DEFAULT_VOCAB_TILE",
+    "EXECUTION_DTYPES",
+    "EXECUTION_DTYPE_NAMES",
     "IGNORE_INDEX",
     "OP_NODES",
     "PLATFORMS",

@@ -8,8 +8,10 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+import kernels
+
 WEIGHT_SOURCES = ("synthetic", "file")
-DEVICES = ("cpu", "cuda")
+DEVICES = kernels.PLATFORMS
 WORKLOAD_SOURCES = ("synthetic", "replay")
 
 

@@ -32,10 +32,10 @@ CONTRACT_JUDGMENTS = (
 )
 # Judgments whose every row must be bitwise; tp_invariance's cross_tp_bitwise scope is checked too.
 BITWISE_JUDGMENTS = ("forward_invariance", "gradient_invariance")
-DETERMINISM_SCOPES = ("cross_tp_bitwise", "fixed_topology")
-BITWISE_SCOPE = "cross_tp_bitwise"
+DETERMINISM_SCOPES = tuple(scope.value for scope in kernels.DeterminismScope)
+BITWISE_SCOPE = kernels.DeterminismScope.CROSS_TP_BITWISE.value
 COMPARISON_MODES = ("bitwise", "tolerance")
-CONTRACT_DTYPES = ("bfloat16", "float32")
+CONTRACT_DTYPES = kernels.EXECUTION_DTYPE_NAMES
 CHAIN_METRICS = ("max_abs_dlogp", "approx_kl0", "clipfrac0")
 PIN_KEY = "expected_sha256"
 DEFAULT_CONTRACT = "v1"

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import kernels
 from rlsweep.config import DEVICES
-from rlsweep.contract import CONTRACT_DTYPES, DETERMINISM_SCOPES, Contract, contract_from_mapping
+from rlsweep.contract import DETERMINISM_SCOPES, Contract, contract_from_mapping
 from rlsweep.environment import environment
 from rlsweep.errors import ConfigError
 from rlsweep.execute import CellResult, Filler, run_cell, run_reference
@@ -51,8 +51,7 @@ from rlsweep.tables import (
 from rlsweep.workload import build_workload
 
 log = logging.getLogger(__name__)
-EXECUTION_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-assert set(EXECUTION_DTYPES) == set(CONTRACT_DTYPES)
+EXECUTION_DTYPES = {kernels.dtype_name(dtype): dtype for dtype in kernels.EXECUTION_DTYPES}
 
 
 @dataclass(frozen=True)
