@@ -12,7 +12,7 @@ from kernels.backend import (
     megatron_merge,
     register_backend,
     segment_partials,
-    strict_fp32_accumulation,
+    stock_matmul,
 )
 from kernels.provenance import NodeProvenance, observe
 from kernels.sharding import ShardingSpec
@@ -23,8 +23,7 @@ class AtenBackend:
     id: str
 
     def matmul(self, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, NodeProvenance]:
-        with strict_fp32_accumulation():
-            logits = hidden @ weight.T
+        logits = stock_matmul(hidden, weight)
         return logits, observe("matmul", self.id, "aten.mm", logits, tf32=False)
 
     def shard_partials(

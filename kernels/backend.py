@@ -92,6 +92,12 @@ def strict_fp32_accumulation():
         ) = saved
 
 
+def stock_matmul(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden[T, H] @ weight[V, H].T in the execution dtype through cuBLAS / CPU BLAS, fp32 accumulation."""
+    with strict_fp32_accumulation():
+        return hidden @ weight.T
+
+
 def segment_partials(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x[T, W] -> (max[T], sumexp[T]) with an empty segment as the identity (-inf, 0)."""
     if x.shape[1] == 0:

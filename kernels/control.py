@@ -18,6 +18,7 @@ from kernels.backend import (
     megatron_merge,
     register_backend,
     segment_partials,
+    stock_matmul,
 )
 from kernels.provenance import NodeProvenance, observe
 from kernels.sharding import ShardingSpec
@@ -42,8 +43,8 @@ class ControlBackend:
     id: str
 
     def matmul(self, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, NodeProvenance]:
-        logits = hidden @ weight.T
-        return logits, observe("matmul", self.id, "control.mm", logits)
+        logits = stock_matmul(hidden, weight)  # the variance under test is in the logprob node only
+        return logits, observe("matmul", self.id, "control.mm", logits, tf32=False)
 
     def shard_partials(
         self, logits: torch.Tensor, local_targets: torch.Tensor, owned: torch.Tensor, sharding: ShardingSpec
