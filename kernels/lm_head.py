@@ -9,8 +9,14 @@ import torch
 from kernels.backend import LogprobBackend, ShardPartials, get_backend
 from kernels.errors import KernelInputError
 from kernels.provenance import NodeProvenance, Provenance
-from kernels.sharding import ShardingSpec, check_tile_geometry
-from kernels.validation import IGNORE_INDEX, check_lm_head_inputs, check_logits_inputs, check_target_range
+from kernels.sharding import ShardingSpec
+from kernels.validation import (
+    IGNORE_INDEX,
+    check_lm_head_inputs,
+    check_logits_inputs,
+    check_matmul_inputs,
+    check_target_range,
+)
 
 TP_MODES = ("emulated", "distributed")
 DEFAULT_VOCAB_TILE = 1024
@@ -45,7 +51,7 @@ class RankOutput:
 def matmul(hidden: torch.Tensor, weight: torch.Tensor, *, backend: str) -> tuple[torch.Tensor, NodeProvenance]:
     """hidden[T, H] @ weight[V, H].T -> logits[T, V] in the execution dtype (float64 for reference)."""
     impl = get_backend(backend)
-    check_lm_head_inputs(hidden, weight, torch.zeros(hidden.shape[0], dtype=torch.int64, device=hidden.device))
+    check_matmul_inputs(hidden, weight)
     return impl.matmul(hidden, weight)
 
 
@@ -76,10 +82,9 @@ def lm_head_logprob(
     impl = get_backend(backend)
     if tp_mode not in TP_MODES:
         raise KernelInputError(f"tp_mode must be one of {TP_MODES}, got {tp_mode!r}")
-    check_tile_geometry(weight.shape[0] if weight.dim() == 2 else 1, vocab_tile, tp)
     check_lm_head_inputs(hidden, weight, targets)
+    sharding = ShardingSpec.even(weight.shape[0], vocab_tile, tp)  # raises TPConfigError for tp or tile
     check_target_range(targets, weight.shape[0])
-    sharding = ShardingSpec.even(weight.shape[0], vocab_tile, tp)
     if tp_mode == "distributed":
         from kernels.distributed import run_distributed
 

@@ -15,26 +15,31 @@ EXECUTION_DTYPES = (torch.bfloat16, torch.float32)
 IGNORE_INDEX = -100
 
 
-def check_lm_head_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> None:
-    """Shapes, dtypes, devices and finiteness of hidden[T, H], weight[V, H], targets[T]."""
+def check_matmul_inputs(hidden: torch.Tensor, weight: torch.Tensor) -> None:
+    """Shapes, dtypes, device and finiteness of hidden[T, H] and weight[V, H]."""
     if hidden.dim() != 2:
         raise ShapeMismatchError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
     if weight.dim() != 2:
         raise ShapeMismatchError(f"weight must be [V, H], got shape {tuple(weight.shape)}")
     if hidden.shape[1] != weight.shape[1]:
         raise ShapeMismatchError(f"hidden size differs: hidden {tuple(hidden.shape)} vs weight {tuple(weight.shape)}")
-    check_targets(targets, rows=hidden.shape[0])
     for name, tensor in (("hidden", hidden), ("weight", weight)):
         if tensor.dtype not in EXECUTION_DTYPES:
             raise DtypeMismatchError(f"{name} has dtype {tensor.dtype}; supported: bfloat16, float32")
     if hidden.dtype != weight.dtype:
         raise DtypeMismatchError(f"hidden is {hidden.dtype} but weight is {weight.dtype}")
-    if hidden.device != weight.device or hidden.device != targets.device:
-        raise ShapeMismatchError(
-            f"inputs on different devices: hidden {hidden.device}, weight {weight.device}, targets {targets.device}"
-        )
+    if hidden.device != weight.device:
+        raise ShapeMismatchError(f"inputs on different devices: hidden {hidden.device}, weight {weight.device}")
     check_finite("hidden", hidden)
     check_finite("weight", weight)
+
+
+def check_lm_head_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> None:
+    """``check_matmul_inputs`` plus targets[T] on the same device."""
+    check_matmul_inputs(hidden, weight)
+    check_targets(targets, rows=hidden.shape[0])
+    if targets.device != hidden.device:
+        raise ShapeMismatchError(f"inputs on different devices: hidden {hidden.device}, targets {targets.device}")
 
 
 def check_logits_inputs(logits: torch.Tensor, targets: torch.Tensor) -> None:
