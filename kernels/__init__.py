@@ -10,7 +10,7 @@ from kernels import (  # noqa: F401  (register the backends)
     reference,
     triton_backend,
 )
-from kernels.backend import BACKENDS, LogprobBackend, ShardPartials, register_backend
+from kernels.backend import BACKENDS, OP_NODES, LogprobBackend, ShardPartials, register_backend
 from kernels.bitwise import bit_pattern, bit_view, first_bit_difference
 from kernels.capability import ImplementationKind, LogprobBackendCapability
 from kernels.contract import (
@@ -46,13 +46,14 @@ from kernels.errors import (
     TargetOutOfRangeError,
     TPConfigError,
 )
+from kernels.launches import KernelLaunch, launch_torch, launch_triton
 from kernels.lm_head import DEFAULT_VOCAB_TILE, TP_MODES, LogprobResult, lm_head_logprob, logprob, matmul
 from kernels.provenance import (
-    OP_NODES,
     NodeProvenance,
     Provenance,
     ProvenanceMismatchError,
     dtype_name,
+    observe,
     provenance_mismatches,
     require_provenance,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "DtypeMismatchError",
     "ImplementationKind",
     "KernelInputError",
+    "KernelLaunch",
     "LogprobBackend",
     "LogprobBackendCapability",
     "LogprobContract",
@@ -103,9 +105,12 @@ __all__ = [
     "dtype_name",
     "first_bit_difference",
     "get_logprob_op",
+    "launch_torch",
+    "launch_triton",
     "lm_head_logprob",
     "logprob",
     "matmul",
+    "observe",
     "padded_vocab_size",
     "provenance_mismatches",
     "register_backend",

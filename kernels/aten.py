@@ -7,6 +7,9 @@ from collections.abc import Sequence
 import torch
 
 from kernels.backend import (
+    MEGATRON_MERGE_OPS,
+    SEGMENT_PARTIALS_OPS,
+    STOCK_MATMUL_OPS,
     ShardPartials,
     gather_target_logit,
     megatron_merge,
@@ -14,17 +17,25 @@ from kernels.backend import (
     segment_partials,
     stock_matmul,
 )
+from kernels.launches import launch_torch
 from kernels.provenance import NodeProvenance, observe
 from kernels.sharding import ShardingSpec
 
 
-@register_backend("aten")
+@register_backend(
+    "aten",
+    kernels={
+        "matmul": STOCK_MATMUL_OPS,
+        "logprob": SEGMENT_PARTIALS_OPS | {"aten::log_softmax.int"},  # log_softmax: tp = 1
+        "tp_merge": MEGATRON_MERGE_OPS | {"aten::logsumexp"},  # logsumexp: tp = 1
+    },
+)
 class AtenBackend:
     id: str
 
     def matmul(self, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, NodeProvenance]:
         logits = stock_matmul(hidden, weight)
-        return logits, observe("matmul", self.id, "aten.mm", logits, tf32=False)
+        return logits, observe("matmul", self.id, logits, tf32=False)
 
     def shard_partials(
         self, logits: torch.Tensor, local_targets: torch.Tensor, owned: torch.Tensor, sharding: ShardingSpec
@@ -33,17 +44,22 @@ class AtenBackend:
         m, s = segment_partials(x)
         tgt = gather_target_logit(x, local_targets, owned)
         partials = ShardPartials(m[:, None], s[:, None], tgt, owned)
-        return partials, observe("logprob", self.id, "aten.shard_max_sumexp", s, segments="per_shard")
+        return partials, observe("logprob", self.id, s, segments="per_shard")
 
     def merge(self, partials: Sequence[ShardPartials]) -> tuple[torch.Tensor, NodeProvenance]:
         lse = megatron_merge(partials)
-        return lse, observe("tp_merge", self.id, "aten.megatron_max_sum", lse)
+        return lse, observe("tp_merge", self.id, lse)
 
+    # TP = 1 as a user writes it; lse is its own node because it is what a sharded call's merge produces.
     def full_vocab_logprob(
         self, logits: torch.Tensor, safe_targets: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, NodeProvenance]:
-        """TP=1 as a user writes it: fp32 log_softmax, gather, and torch.logsumexp for lse."""
-        x = logits.float()
-        logp = torch.log_softmax(x, dim=-1).gather(1, safe_targets[:, None]).squeeze(1)
-        lse = torch.logsumexp(x, dim=-1)
-        return logp, lse, observe("logprob", self.id, "aten.log_softmax_gather", logp)
+    ) -> tuple[torch.Tensor, NodeProvenance]:
+        """logits[T, V] -> logp[T]: fp32 log_softmax, then gather."""
+        log_probs = launch_torch(torch.ops.aten.log_softmax.int, logits.float(), -1)
+        logp = log_probs.gather(1, safe_targets[:, None]).squeeze(1)
+        return logp, observe("logprob", self.id, logp)
+
+    def full_vocab_lse(self, logits: torch.Tensor) -> tuple[torch.Tensor, NodeProvenance]:
+        """logits[T, V] -> lse[T]: torch.logsumexp over the fp32 logits."""
+        lse = launch_torch(torch.ops.aten.logsumexp.default, logits.float(), [-1])
+        return lse, observe("tp_merge", self.id, lse)

@@ -3,20 +3,32 @@
 A backend supplies three op nodes for one rank's vocab shard: ``matmul`` (hidden @ weight.T),
 ``shard_partials`` (per-segment (max, sumexp) and the owned target logits) and ``merge``
 (all ranks' partials in rank order -> lse). ``kernels.lm_head`` composes them for any TP degree.
+Registering a backend declares, per op node, the kernels that node may launch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from kernels.errors import BackendUnavailableError
-from kernels.provenance import NodeProvenance
+from kernels.launches import launch_torch
 from kernels.sharding import ShardingSpec
+
+if TYPE_CHECKING:  # kernels.provenance looks declarations up in BACKENDS, so it imports this module
+    from kernels.provenance import NodeProvenance
+
+# The op nodes a logprob call is made of; profiles name a required backend for each.
+OP_NODES = ("matmul", "logprob", "tp_merge")
+
+# What the shared helpers below launch, by the names ``launch_torch`` records; backends built on them declare these.
+STOCK_MATMUL_OPS = frozenset({"aten::mm"})
+SEGMENT_PARTIALS_OPS = frozenset({"aten::amax", "aten::sum.dim_IntList"})
+MEGATRON_MERGE_OPS = frozenset({"aten::amax", "aten::sum.dim_IntList"})
 
 
 @dataclass(frozen=True)
@@ -36,6 +48,7 @@ class ShardPartials:
 
 class LogprobBackend(Protocol):
     id: str
+    declared_kernels: Mapping[str, frozenset[str]]  # op node -> the kernel names it may launch
 
     def matmul(self, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, NodeProvenance]:
         """hidden[T, H] @ weight[V, H].T -> logits[T, V]."""
@@ -52,22 +65,49 @@ class LogprobBackend(Protocol):
 BACKENDS: dict[str, LogprobBackend] = {}
 
 
-def register_backend(backend_id: str) -> Callable[[type], type]:
-    """Class decorator: instantiate the backend and make it reachable by ``backend_id``."""
+def register_backend(backend_id: str, *, kernels: Mapping[str, Iterable[str]]) -> Callable[[type], type]:
+    """Class decorator: instantiate the backend, make it reachable by ``backend_id`` and record ``kernels``.
+
+    ``kernels`` maps every op node to the names of the kernels it may launch: a Triton kernel's
+    ``module.function`` or an aten overload's ``op.name()`` (see ``kernels.launches``).
+    """
+    declared = _declared_kernels(backend_id, kernels)
 
     def decorate(cls: type) -> type:
         instance = cls()
         instance.id = backend_id
+        instance.declared_kernels = declared
         BACKENDS[backend_id] = instance
         return cls
 
     return decorate
 
 
+def _declared_kernels(backend_id: str, kernels: Mapping[str, Iterable[str]]) -> dict[str, frozenset[str]]:
+    if not isinstance(kernels, Mapping) or set(kernels) != set(OP_NODES):
+        raise ValueError(
+            f"backend {backend_id!r} must declare kernels for exactly the nodes {OP_NODES}; got {kernels!r}"
+        )
+    declared = {}
+    for node in OP_NODES:
+        names = kernels[node]
+        if isinstance(names, str) or not names or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(
+                f"backend {backend_id!r}, node {node!r}: declare a non-empty set of kernel names, not {names!r}"
+            )
+        declared[node] = frozenset(names)
+    return declared
+
+
 def get_backend(backend_id: str) -> LogprobBackend:
     if backend_id not in BACKENDS:
         raise BackendUnavailableError(f"unknown backend {backend_id!r}; available: {', '.join(sorted(BACKENDS))}")
     return BACKENDS[backend_id]
+
+
+def declared_kernels(backend_id: str, node: str) -> frozenset[str]:
+    """The kernels ``backend_id`` declares for ``node``; nothing for an id with no registered declaration."""
+    return getattr(BACKENDS.get(backend_id), "declared_kernels", {}).get(node, frozenset())
 
 
 @contextmanager
@@ -95,7 +135,7 @@ def strict_fp32_accumulation():
 def stock_matmul(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """hidden[T, H] @ weight[V, H].T in the execution dtype through cuBLAS / CPU BLAS, fp32 accumulation."""
     with strict_fp32_accumulation():
-        return hidden @ weight.T
+        return launch_torch(torch.ops.aten.mm.default, hidden, weight.T)
 
 
 def segment_partials(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,17 +143,17 @@ def segment_partials(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.shape[1] == 0:
         rows = x.shape[0]
         return x.new_full((rows,), float("-inf")), x.new_zeros((rows,))
-    m = x.amax(dim=1)
-    return m, torch.exp(x - m[:, None]).sum(dim=1)
+    m = launch_torch(torch.ops.aten.amax.default, x, [1])
+    return m, launch_torch(torch.ops.aten.sum.dim_IntList, torch.exp(x - m[:, None]), [1])
 
 
 def megatron_merge(partials: Sequence[ShardPartials]) -> torch.Tensor:
     """Partials of every rank -> lse[T]: global max, rescaled sums added, as Megatron does."""
     maxes = torch.cat([p.maxes for p in partials], dim=1)
     sumexps = torch.cat([p.sumexps for p in partials], dim=1)
-    global_max = maxes.amax(dim=1)
+    global_max = launch_torch(torch.ops.aten.amax.default, maxes, [1])
     scale = torch.where(maxes == float("-inf"), 0.0, torch.exp(maxes - global_max[:, None]))
-    return global_max + torch.log((sumexps * scale).sum(dim=1))
+    return global_max + torch.log(launch_torch(torch.ops.aten.sum.dim_IntList, sumexps * scale, [1]))
 
 
 def gather_target_logit(logits: torch.Tensor, local_targets: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,9 @@ from collections.abc import Sequence
 import torch
 
 from kernels.backend import (
+    MEGATRON_MERGE_OPS,
+    SEGMENT_PARTIALS_OPS,
+    STOCK_MATMUL_OPS,
     ShardPartials,
     gather_target_logit,
     megatron_merge,
@@ -38,13 +41,16 @@ def keep_mantissa_bits(x: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.ldexp(torch.round(mantissa * 2**bits) / 2**bits, exponent)
 
 
-@register_backend("control")
+@register_backend(
+    "control",
+    kernels={"matmul": STOCK_MATMUL_OPS, "logprob": SEGMENT_PARTIALS_OPS, "tp_merge": MEGATRON_MERGE_OPS},
+)
 class ControlBackend:
     id: str
 
     def matmul(self, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, NodeProvenance]:
         logits = stock_matmul(hidden, weight)  # the variance under test is in the logprob node only
-        return logits, observe("matmul", self.id, "control.mm", logits, tf32=False)
+        return logits, observe("matmul", self.id, logits, tf32=False)
 
     def shard_partials(
         self, logits: torch.Tensor, local_targets: torch.Tensor, owned: torch.Tensor, sharding: ShardingSpec
@@ -55,8 +61,8 @@ class ControlBackend:
         maxes = torch.stack([m for m, _ in pairs], dim=1)
         sums = keep_mantissa_bits(torch.stack([s for _, s in pairs], dim=1), KEPT_MANTISSA_BITS)
         partials = ShardPartials(maxes, sums, gather_target_logit(x, local_targets, owned), owned)
-        return partials, observe("logprob", self.id, "control.row_dependent_split", sums, splits=splits)
+        return partials, observe("logprob", self.id, sums, splits=splits)
 
     def merge(self, partials: Sequence[ShardPartials]) -> tuple[torch.Tensor, NodeProvenance]:
         lse = megatron_merge(partials)
-        return lse, observe("tp_merge", self.id, "control.max_sum", lse)
+        return lse, observe("tp_merge", self.id, lse)

@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from kernels.backend import BACKENDS
+from kernels.backend import BACKENDS, OP_NODES
 from kernels.capability import ImplementationKind, LogprobBackendCapability
 from kernels.contract import PLATFORMS, LogprobContract, LogprobContractError
 from kernels.errors import DtypeMismatchError, KernelInputError, ShapeMismatchError
 from kernels.lm_head import LogprobResult, lm_head_logprob
-from kernels.provenance import OP_NODES, ProvenanceMismatchError, dtype_name, provenance_mismatches
+from kernels.provenance import ProvenanceMismatchError, dtype_name, provenance_mismatches
 from kernels.sharding import ShardingSpec
 
 

@@ -182,7 +182,7 @@ def to_cpu(result: LogprobResult) -> LogprobResult:
 
 
 def all_gather_partials(mine: RankOutput) -> list[RankOutput]:
-    """Every rank's partials, in rank order (which is global tile order)."""
+    """Every rank's partials and node records, in rank order (which is global tile order)."""
     partials = mine.partials
     fields = (partials.maxes, partials.sumexps, partials.target_logit, partials.owned.to(torch.uint8))
     gathered = []
@@ -190,14 +190,17 @@ def all_gather_partials(mine: RankOutput) -> list[RankOutput]:
         parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, tensor.contiguous())
         gathered.append(parts)
+    # Each rank's own records, so the merged provenance carries the kernels every rank launched.
+    records = [None] * dist.get_world_size()
+    dist.all_gather_object(records, (mine.matmul, mine.logprob))
     return [
         RankOutput(
             logits=mine.logits,
             partials=ShardPartials(maxes, sums, target, owned.bool()),
-            matmul=mine.matmul,
-            logprob=mine.logprob,
+            matmul=matmul,
+            logprob=logprob,
         )
-        for maxes, sums, target, owned in zip(*gathered, strict=True)
+        for maxes, sums, target, owned, (matmul, logprob) in zip(*gathered, records, strict=True)
     ]
 
 

@@ -8,7 +8,7 @@ import torch
 
 from kernels.backend import LogprobBackend, ShardPartials, get_backend
 from kernels.errors import KernelInputError
-from kernels.provenance import NodeProvenance, Provenance
+from kernels.provenance import NodeProvenance, Provenance, across_ranks, call_node
 from kernels.sharding import ShardingSpec
 from kernels.validation import (
     IGNORE_INDEX,
@@ -43,7 +43,7 @@ class RankOutput:
     """What one rank computes before any communication."""
 
     logits: torch.Tensor
-    partials: ShardPartials | None  # None: the backend reduces the full vocab itself (TP=1)
+    partials: ShardPartials | None  # None: the backend reduces the full vocab itself (TP=1, full_vocab_logprob/_lse)
     matmul: NodeProvenance | None
     logprob: NodeProvenance | None
 
@@ -52,7 +52,7 @@ def matmul(hidden: torch.Tensor, weight: torch.Tensor, *, backend: str) -> tuple
     """hidden[T, H] @ weight[V, H].T -> logits[T, V] in the execution dtype (float64 for reference)."""
     impl = get_backend(backend)
     check_matmul_inputs(hidden, weight)
-    return impl.matmul(hidden, weight)
+    return call_node(impl.matmul, hidden, weight)
 
 
 def logprob(
@@ -98,7 +98,7 @@ def rank_forward(
 ) -> RankOutput:
     """One rank's work: its shard's logits, then its partials."""
     lo, hi = sharding.real_shard
-    logits, matmul_prov = impl.matmul(hidden, weight[lo:hi])
+    logits, matmul_prov = call_node(impl.matmul, hidden, weight[lo:hi])
     return rank_logprob(impl, logits, targets, sharding, matmul_provenance=matmul_prov)
 
 
@@ -115,7 +115,7 @@ def rank_logprob(
     lo, hi = sharding.shard
     owned = (targets >= lo) & (targets < hi)
     local_targets = torch.where(owned, targets - lo, torch.zeros_like(targets))
-    partials, prov = impl.shard_partials(shard_logits, local_targets, owned, sharding)
+    partials, prov = call_node(impl.shard_partials, shard_logits, local_targets, owned, sharding)
     return RankOutput(shard_logits, partials, matmul_provenance, prov)
 
 
@@ -130,8 +130,9 @@ def finish(
     """Merge every rank's partials (identical on each rank) into the replicated result."""
     active = targets != IGNORE_INDEX
     if ranks[0].partials is None:
-        logp, lse, logprob_prov = impl.full_vocab_logprob(ranks[0].logits, torch.where(active, targets, 0))
-        merge_prov = NodeProvenance("tp_merge", impl.id, "none (tp=1)", logprob_prov.out_dtype, logprob_prov.device)
+        logits = ranks[0].logits
+        logp, logprob_prov = call_node(impl.full_vocab_logprob, logits, torch.where(active, targets, 0))
+        lse, merge_prov = call_node(impl.full_vocab_lse, logits)
         owner = torch.where(active, 0, -1)
     else:
         owner = torch.full_like(targets, -1, dtype=torch.int64)
@@ -139,12 +140,12 @@ def finish(
         for rank, out in enumerate(ranks):
             owner = torch.where(out.partials.owned, rank, owner)
             target_logit = torch.where(out.partials.owned, out.partials.target_logit, target_logit)
-        lse, merge_prov = impl.merge([out.partials for out in ranks])
+        lse, merge_prov = call_node(impl.merge, [out.partials for out in ranks])
         logp = target_logit.to(lse.dtype) - lse
-        logprob_prov = ranks[0].logprob
+        logprob_prov = across_ranks([out.logprob for out in ranks])
     logp = torch.where(active, logp, torch.zeros_like(logp))
     nodes = {"logprob": logprob_prov, "tp_merge": merge_prov}
     if ranks[0].matmul is not None:
-        nodes = {"matmul": ranks[0].matmul, **nodes}
+        nodes = {"matmul": across_ranks([out.matmul for out in ranks]), **nodes}
     provenance = Provenance(nodes=nodes, tp=sharding.world_size, tp_mode=tp_mode)
     return LogprobResult(logp=logp, lse=lse, active=active, owner_rank=owner, provenance=provenance)

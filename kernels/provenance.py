@@ -2,28 +2,44 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-# The op nodes a logprob call is made of; profiles name a required backend for each.
-OP_NODES = ("matmul", "logprob", "tp_merge")
+from kernels.backend import declared_kernels
+from kernels.launches import KernelLaunch, distinct_launches, recording_launches
 
 
 @dataclass(frozen=True)
 class NodeProvenance:
-    """One op node as it ran: backend id, kernel id, its configuration, output dtype, device."""
+    """One op node as it ran: backend id, output dtype, device, the backend's configuration and the kernels launched.
+
+    ``launches`` is recorded by the launch helpers while the node ran (``call_node``), each distinct launch once.
+    """
 
     node: str
     backend: str
-    kernel: str
     out_dtype: str
     device: str
     config: dict[str, Any] = field(default_factory=dict)
+    launches: tuple[KernelLaunch, ...] = ()
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        """The names of the kernels launched, in first-launch order."""
+        return tuple(dict.fromkeys(launch.kernel for launch in self.launches))
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {
+            "node": self.node,
+            "backend": self.backend,
+            "out_dtype": self.out_dtype,
+            "device": self.device,
+            "config": dict(self.config),
+            "launches": [launch.to_dict() for launch in self.launches],
+        }
 
 
 @dataclass(frozen=True)
@@ -54,23 +70,54 @@ def device_name(tensor: torch.Tensor) -> str:
     return str(tensor.device)
 
 
-def observe(node: str, backend: str, kernel: str, out: torch.Tensor, **config: Any) -> NodeProvenance:
-    """Record a node from the tensor it produced, so dtype and device are what ran."""
-    return NodeProvenance(node, backend, kernel, dtype_name(out.dtype), device_name(out), config)
+def observe(node: str, backend: str, out: torch.Tensor, **config: Any) -> NodeProvenance:
+    """Record a node from the tensor it produced, so dtype and device are what ran; ``call_node`` adds the launches."""
+    return NodeProvenance(node, backend, dtype_name(out.dtype), device_name(out), config)
+
+
+def call_node(method: Callable[..., tuple], *args: Any) -> tuple:
+    """Call one node method of a backend (it returns ``(*outputs, NodeProvenance)``) and add what it launched."""
+    with recording_launches() as launches:
+        *outputs, provenance = method(*args)
+    return (*outputs, replace(provenance, launches=distinct_launches(launches)))
+
+
+def across_ranks(records: Sequence[NodeProvenance]) -> NodeProvenance:
+    """Rank 0's record of a node, carrying every rank's launches, so a fallback on one rank shows."""
+    return replace(records[0], launches=distinct_launches(launch for r in records for launch in r.launches))
 
 
 def provenance_mismatches(required: dict[str, str], observed: Provenance) -> list[str]:
-    """One line per required node whose observed backend differs (or that never ran); empty when all match."""
+    """One line per difference from ``required`` and per kernel a node's backend does not declare; empty when none.
+
+    A required node that did not run or ran on another backend, then, for every node that ran: each launched
+    kernel its backend does not declare for that node, or that it launched no kernel at all.
+    """
     problems = []
     for node, backend in required.items():
         ran = observed.nodes.get(node)
         if ran is None:
             problems.append(f"node {node!r}: required backend {backend!r}, observed nothing (the node did not run)")
         elif ran.backend != backend:
-            problems.append(
-                f"node {node!r}: required backend {backend!r}, observed {ran.backend!r} (kernel {ran.kernel})"
-            )
+            launched = ", ".join(ran.kernels) or "nothing"
+            problems.append(f"node {node!r}: required backend {backend!r}, observed {ran.backend!r} (ran {launched})")
+    for ran in observed.nodes.values():
+        problems += undeclared_launches(ran)
     return problems
+
+
+def undeclared_launches(ran: NodeProvenance) -> list[str]:
+    """One line per kernel ``ran`` launched that its backend does not declare for its node, or for launching none."""
+    if not ran.launches:
+        return [f"node {ran.node!r}: backend {ran.backend!r} launched no kernel"]
+    declared = declared_kernels(ran.backend, ran.node)
+    listed = ", ".join(sorted(declared)) or f"nothing; {ran.backend!r} has no declaration in kernels.BACKENDS"
+    return [
+        f"node {ran.node!r}: backend {ran.backend!r} launched {kernel!r}, which it does not declare for the node "
+        f"(declared: {listed})"
+        for kernel in ran.kernels
+        if kernel not in declared
+    ]
 
 
 class ProvenanceMismatchError(RuntimeError):

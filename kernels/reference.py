@@ -7,23 +7,29 @@ from collections.abc import Sequence
 import torch
 
 from kernels.backend import (
+    MEGATRON_MERGE_OPS,
+    SEGMENT_PARTIALS_OPS,
     ShardPartials,
     gather_target_logit,
     megatron_merge,
     register_backend,
     segment_partials,
 )
+from kernels.launches import launch_torch
 from kernels.provenance import NodeProvenance, observe
 from kernels.sharding import ShardingSpec
 
 
-@register_backend("reference")
+@register_backend(
+    "reference",
+    kernels={"matmul": {"aten::mm"}, "logprob": SEGMENT_PARTIALS_OPS, "tp_merge": MEGATRON_MERGE_OPS},
+)
 class ReferenceBackend:
     id: str
 
     def matmul(self, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, NodeProvenance]:
-        logits = hidden.double() @ weight.double().T
-        return logits, observe("matmul", self.id, "reference.mm_float64", logits)
+        logits = launch_torch(torch.ops.aten.mm.default, hidden.double(), weight.double().T)
+        return logits, observe("matmul", self.id, logits)
 
     def shard_partials(
         self, logits: torch.Tensor, local_targets: torch.Tensor, owned: torch.Tensor, sharding: ShardingSpec
@@ -31,8 +37,8 @@ class ReferenceBackend:
         x = logits.double()
         m, s = segment_partials(x)
         partials = ShardPartials(m[:, None], s[:, None], gather_target_logit(x, local_targets, owned), owned)
-        return partials, observe("logprob", self.id, "reference.max_sumexp_float64", s)
+        return partials, observe("logprob", self.id, s)
 
     def merge(self, partials: Sequence[ShardPartials]) -> tuple[torch.Tensor, NodeProvenance]:
         lse = megatron_merge(partials)
-        return lse, observe("tp_merge", self.id, "reference.merge_float64", lse)
+        return lse, observe("tp_merge", self.id, lse)

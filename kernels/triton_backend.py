@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
 from kernels.backend import ShardPartials, gather_target_logit, register_backend
 from kernels.errors import BackendUnavailableError
+from kernels.launches import launch_triton
 from kernels.provenance import NodeProvenance, observe
 from kernels.sharding import ShardingSpec
 
@@ -37,12 +38,13 @@ INTERPRETER_TILING = MatmulTiling(64, 256, 64, 8, 4, 1)  # 64*64*256 products: u
 PARTIAL_ROWS = 4  # rows per program of the tile-partials kernel (compiled)
 INTERPRETER_PARTIAL_ROWS = 64  # the interpreter pays per program, not per row
 MERGE_ROWS = 128  # rows per program of the ordered merge
+TRITON_KERNELS = "kernels.triton_kernels"  # imported on first use: TRITON_INTERPRET is read at decoration
 
 
 def _load_kernels(device: torch.device) -> tuple[ModuleType, bool]:
     """Import the Triton kernels, or say why they cannot run on ``device``."""
     try:
-        kernels_module = importlib.import_module("kernels.triton_kernels")
+        kernels_module = importlib.import_module(TRITON_KERNELS)
         from triton.runtime.interpreter import InterpretedFunction
     except ImportError as err:  # pragma: no cover - triton is a hard dependency
         raise BackendUnavailableError(f"the triton backend needs the triton package: {err}") from err
@@ -63,7 +65,14 @@ def _load_kernels(device: torch.device) -> tuple[ModuleType, bool]:
     return kernels_module, interpreted
 
 
-@register_backend("triton")
+@register_backend(
+    "triton",
+    kernels={
+        "matmul": {f"{TRITON_KERNELS}.invariant_matmul_kernel"},
+        "logprob": {f"{TRITON_KERNELS}.tile_partials_kernel"},
+        "tp_merge": {f"{TRITON_KERNELS}.ordered_merge_kernel"},
+    },
+)
 class TritonBackend:
     id: str
 
@@ -72,19 +81,17 @@ class TritonBackend:
         tiling = INTERPRETER_TILING if interpreted else CUDA_TILING[hidden.dtype]
         rows, cols, depth = hidden.shape[0], weight.shape[0], hidden.shape[1]
         logits = aligned_empty(rows, cols, hidden.dtype, hidden.device)
-        if rows and cols:
-            grid = (triton_cdiv(rows, tiling.block_m) * triton_cdiv(cols, tiling.block_n),)
-            kernels_module.invariant_matmul_kernel[grid](
-                hidden, weight, logits, rows, cols, depth,
-                hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-                logits.stride(0), logits.stride(1),
-                BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
-                GROUP_M=tiling.group_m, INTERPRETED=interpreted,
-                num_warps=tiling.num_warps, num_stages=tiling.num_stages,
-            )  # fmt: skip
-        return logits, observe(
-            "matmul", self.id, "triton.invariant_matmul", logits, interpreted=interpreted, **asdict(tiling)
-        )
+        grid = (triton_cdiv(rows, tiling.block_m) * triton_cdiv(cols, tiling.block_n),)
+        launch_triton(
+            kernels_module.invariant_matmul_kernel, grid,
+            hidden, weight, logits, rows, cols, depth,
+            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+            logits.stride(0), logits.stride(1),
+            BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
+            GROUP_M=tiling.group_m, INTERPRETED=interpreted,
+            num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+        )  # fmt: skip
+        return logits, observe("matmul", self.id, logits, interpreted=interpreted)
 
     def shard_partials(
         self, logits: torch.Tensor, local_targets: torch.Tensor, owned: torch.Tensor, sharding: ShardingSpec
@@ -97,17 +104,13 @@ class TritonBackend:
         maxes = torch.empty((rows, n_tiles), dtype=torch.float32, device=logits.device)
         sums = torch.empty_like(maxes)
         rows_per_program = INTERPRETER_PARTIAL_ROWS if interpreted else PARTIAL_ROWS
-        if rows:
-            grid = (triton_cdiv(rows, rows_per_program), n_tiles)
-            kernels_module.tile_partials_kernel[grid](
-                logits, maxes, sums, rows, n_real, logits.stride(0), n_tiles,
-                ROWS=rows_per_program, TILE=sharding.vocab_tile,
-            )  # fmt: skip
-        target = gather_target_logit(logits, local_targets, owned).float()
-        return ShardPartials(maxes, sums, target, owned), observe(
-            "logprob", self.id, "triton.tile_partials", sums,
-            vocab_tile=sharding.vocab_tile, rows_per_program=rows_per_program, interpreted=interpreted,
+        launch_triton(
+            kernels_module.tile_partials_kernel, (triton_cdiv(rows, rows_per_program), n_tiles),
+            logits, maxes, sums, rows, n_real, logits.stride(0), n_tiles,
+            ROWS=rows_per_program, TILE=sharding.vocab_tile,
         )  # fmt: skip
+        target = gather_target_logit(logits, local_targets, owned).float()
+        return ShardPartials(maxes, sums, target, owned), observe("logprob", self.id, sums, interpreted=interpreted)
 
     def merge(self, partials: Sequence[ShardPartials]) -> tuple[torch.Tensor, NodeProvenance]:
         # Ranks hold contiguous shards in rank order, so concatenation is global tile order.
@@ -116,12 +119,9 @@ class TritonBackend:
         kernels_module, interpreted = _load_kernels(maxes.device)
         rows, n_tiles = maxes.shape
         lse = torch.empty((rows,), dtype=torch.float32, device=maxes.device)
-        if rows:
-            grid = (triton_cdiv(rows, MERGE_ROWS),)
-            kernels_module.ordered_merge_kernel[grid](maxes, sums, lse, rows, n_tiles, BLOCK=MERGE_ROWS)
-        return lse, observe(
-            "tp_merge", self.id, "triton.ordered_tile_merge", lse, tiles=n_tiles, interpreted=interpreted
-        )
+        grid = (triton_cdiv(rows, MERGE_ROWS),)
+        launch_triton(kernels_module.ordered_merge_kernel, grid, maxes, sums, lse, rows, n_tiles, BLOCK=MERGE_ROWS)
+        return lse, observe("tp_merge", self.id, lse, tiles=n_tiles, interpreted=interpreted)
 
 
 def triton_language_helper():

@@ -38,6 +38,23 @@ class LmHeadInputs:
 
 
 @pytest.fixture
+def isolated_registries():
+    """kernels.BACKENDS and every platform's capability declarations restored after the test, so none leaks."""
+    import kernels  # imported late: TRITON_INTERPRET above must be set first
+
+    implementations = dict(kernels.BACKENDS)
+    saved = {platform: kernels.registered_logprob_backends(platform) for platform in kernels.PLATFORMS}
+    yield
+    kernels.BACKENDS.clear()
+    kernels.BACKENDS.update(implementations)
+    for platform, declared in saved.items():
+        for backend in kernels.registered_logprob_backends(platform):
+            kernels.unregister_logprob_backend(platform, backend)
+        for backend, capability in declared.items():
+            kernels.register_logprob_backend(platform, backend, capability)
+
+
+@pytest.fixture
 def make_inputs():
     """Factory of fresh random inputs (a new seed every call, reported on failure)."""
 
