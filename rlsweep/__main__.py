@@ -1,64 +1,67 @@
-"""``python -m rlsweep``: one run (or a Hydra multirun of runs) of the lm_head logprob harness.
+"""``python -m rlsweep`` (or ``rlsweep``): one run, or a Hydra multirun of runs gated at its end.
 
-Exit codes: 0 every verdict as expected, 2 some verdict not as expected, 1 bad input or crash.
+Exit codes are ``rlsweep.exitcodes.ExitCode`` (docs/sweeps.md). Hydra is told to re-raise errors
+(HYDRA_FULL_ERROR) so that every failure, Hydra's own included, ends here as one line and exit 1; the
+sweep gate runs after Hydra returns, where no exception can be turned into a warning.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-import kernels
+from rlsweep.callbacks import SESSION, require_callback
+from rlsweep.check import gate_directory
 from rlsweep.config import register_configs
-from rlsweep.errors import RlsweepError
-from rlsweep.run import RunOutcome, choose_triton_mode, execute, run_id_of
-from rlsweep.tables import completed_run_id
+from rlsweep.errors import ConfigError, RlsweepError
+from rlsweep.exitcodes import ExitCode, guarded, one_line
+from rlsweep.job import run_job
+from rlsweep.run import choose_triton_mode
+
+PROG = "rlsweep"
 
 register_configs()
 choose_triton_mode()
 
 
-def summary(outcome: RunOutcome) -> str:
-    verdicts = outcome.verdicts
-    lines = [
-        f"rlsweep run {outcome.run_id}: {len(verdicts)} checks, {sum(v.passed for v in verdicts)} passed, "
-        f"{len(outcome.unexpected)} not as expected -> {'RED' if outcome.exit_code else 'GREEN'}",
-        f"tables: {outcome.directory}",
-    ]
-    for verdict in outcome.unexpected[:20]:
-        expectation = "expected pass" if verdict.expected_pass else "expected red, passed"
-        lines.append(
-            f"  {verdict.judgment} {verdict.lhs_cell or '-'} {verdict.tensor or '-'} ({expectation}): {verdict.detail}"
-        )
-    return "\n".join(lines)
+class JobFailed(RlsweepError):
+    """A sweep job that stopped on an error: Hydra's sweeper re-raises it once the batch is done (exit 1)."""
 
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
-def main(cfg: DictConfig) -> int:
-    directory = Path(cfg.tables_dir or HydraConfig.get().runtime.output_dir)
-    single_run = HydraConfig.get().mode == RunMode.RUN
-    if not single_run and completed_run_id(directory) == run_id_of(OmegaConf.to_container(cfg, resolve=True)):
-        print(f"rlsweep: skipping: tables complete in {directory}")
-        return 0
+def app(cfg: DictConfig) -> None:
+    hydra_cfg = HydraConfig.get()
+    directory = Path(cfg.tables_dir or hydra_cfg.runtime.output_dir)
+    if hydra_cfg.mode == RunMode.RUN:  # its error is this process's one line, not Hydra's "Error executing job"
+        SESSION.code = guarded(PROG, lambda: run_job(cfg, directory, resume=False, standalone=True))
+        return
     try:
-        outcome = execute(cfg, directory)
-    except (RlsweepError, kernels.KernelInputError) as err:
-        if not single_run:
-            # In a multirun a bad job raises, so Hydra runs the other jobs, names this one and exits 1.
-            raise RuntimeError(f"rlsweep: error: {err}") from err
-        print(f"rlsweep: error: {err}", file=sys.stderr)
-        sys.exit(1)
-    print(summary(outcome))
-    # A multirun job returns normally on red verdicts: the sweep gate judges all runs from the tables.
-    if single_run and outcome.exit_code:
-        sys.exit(outcome.exit_code)
-    return outcome.exit_code
+        require_callback()
+        if cfg.tables_dir is not None:
+            raise ConfigError(f"tables_dir={cfg.tables_dir!r} in a sweep: every job writes into its own job dir")
+        run_job(cfg, directory, resume=True, standalone=False)
+    except Exception as err:
+        overrides = " ".join(hydra_cfg.overrides.task)
+        raise JobFailed(f"job #{hydra_cfg.job.num} ({overrides}) failed: {one_line(err)}") from err
+
+
+def command() -> ExitCode:
+    app()
+    if SESSION.sweep_dir is not None:
+        return gate_directory(SESSION.sweep_dir)
+    return SESSION.code if SESSION.code is not None else ExitCode.GREEN
+
+
+def main() -> int:
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # read by Hydra when it reports an error: re-raise it to us
+    return int(guarded(PROG, command))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -25,18 +25,20 @@ import pyarrow as pa
 import torch
 
 import kernels
+from rlsweep.contract import FORWARD_TENSORS
 from rlsweep.errors import SelectionError, TablesNotFoundError
-from rlsweep.gate import SWEEP_CHECKS_TABLE, TP_MODE_ORDER, count_verdicts, find_run_dirs
-from rlsweep.judgments import FORWARD_TENSORS, JUDGMENTS
+from rlsweep.gate import SWEEP_CHECKS_TABLE, TP_MODE_ORDER, count_verdicts, discover
+from rlsweep.judgments import JUDGMENTS
 from rlsweep.layouts import CANONICAL_CELL
-from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, TOKENS_SCHEMA, TOKENS_TABLE
+from rlsweep.manifest import MANIFEST_FILE
+from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, TOKENS_SCHEMA, TOKENS_TABLE, read_table
 
 RUN_DIR = "run_dir"  # added column: the directory the row's run tables were read from
 LEVEL = "level"  # added checks column: RUN_LEVEL (checks.parquet) or SWEEP_LEVEL (sweep_checks.parquet)
 RUN_LEVEL, SWEEP_LEVEL = "run", "sweep"
 TEXT_COLUMNS = ("detail",)  # string columns that stay free text instead of categoricals
 NULLABLE_COLUMNS = ("first_sample_id", "first_position")  # null when nothing diverged
-KEY = ("sample_id", "position")  # the logical identity of a token (SPEC §4.3)
+KEY = ("sample_id", "position")  # the logical identity of a token (docs/index.md)
 REFERENCE = "reference"  # rhs of dlogp meaning: the float64 reference logp of the lhs tokens themselves
 SUMMARY_GROUPS = ("profile", "model", "tp", "judgment")
 RUN_GROUP = ("profile", "model", "weight_hash", "workload")  # runs whose tokens are comparable across tp
@@ -87,15 +89,17 @@ def run_dirs(path: str | os.PathLike[str]) -> list[Path]:
     root = Path(path)
     if not root.is_dir():
         raise TablesNotFoundError(f"{str(root)!r} is not a directory (expected a run dir, a sweep dir or outputs/)")
-    complete, _ = find_run_dirs(root)
+    complete, _, _ = discover(root)
     if not complete:
-        raise TablesNotFoundError(f"no complete rlsweep run ({TOKENS_TABLE} + {CHECKS_TABLE}) under {str(root)!r}")
+        raise TablesNotFoundError(f"no complete rlsweep run ({MANIFEST_FILE} naming its tables) under {str(root)!r}")
     return sorted(complete, key=natural_key)
 
 
 def tokens_frame(tables: Sequence[tuple[Path, pd.DataFrame]]) -> pd.DataFrame:
     """(run dir, tokens table) pairs -> one tokens frame with analysis dtypes and a run_dir column."""
-    parts = [table.assign(**{RUN_DIR: str(directory)}) for directory, table in tables]
+    parts = [table.assign(**{RUN_DIR: str(directory)}) for directory, table in tables if len(table)]
+    if not parts:  # provenance stopped every kernel: runs without tokens still have verdicts
+        return normalize(pd.DataFrame({name: [] for name in [*TOKENS_SCHEMA.names, RUN_DIR]}), TOKENS_SCHEMA)
     return normalize(pd.concat(parts, ignore_index=True), TOKENS_SCHEMA)
 
 
@@ -120,7 +124,7 @@ def checks_frame(
 
 def load_tokens(path: str | os.PathLike[str]) -> pd.DataFrame:
     """Every tokens.parquet under ``path``: one row per (run, cell, sample_id, position)."""
-    frame = tokens_frame([(directory, pd.read_parquet(directory / TOKENS_TABLE)) for directory in run_dirs(path)])
+    frame = tokens_frame([(d, read_table(d / TOKENS_TABLE, TOKENS_SCHEMA).to_pandas()) for d in run_dirs(path)])
     if not len(frame):
         raise TablesNotFoundError(f"the {TOKENS_TABLE} tables under {str(path)!r} hold no rows")
     return frame
@@ -128,8 +132,9 @@ def load_tokens(path: str | os.PathLike[str]) -> pd.DataFrame:
 
 def load_checks(path: str | os.PathLike[str]) -> pd.DataFrame:
     """Every checks.parquet (level "run") and sweep_checks.parquet (level "sweep") under ``path``."""
-    runs = [(directory, pd.read_parquet(directory / CHECKS_TABLE)) for directory in run_dirs(path)]
-    sweeps = [(p.parent, pd.read_parquet(p)) for p in sorted(Path(path).rglob(SWEEP_CHECKS_TABLE), key=natural_key)]
+    runs = [(d, read_table(d / CHECKS_TABLE, CHECKS_SCHEMA).to_pandas()) for d in run_dirs(path)]
+    sweep_tables = sorted(Path(path).rglob(SWEEP_CHECKS_TABLE), key=natural_key)
+    sweeps = [(p.parent, read_table(p, CHECKS_SCHEMA).to_pandas()) for p in sweep_tables]
     frame = checks_frame(runs, sweeps)
     if not len(frame):
         raise TablesNotFoundError(f"the {CHECKS_TABLE} tables under {str(path)!r} hold no rows")

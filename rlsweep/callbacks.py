@@ -1,37 +1,102 @@
-"""Hydra callbacks of a multirun: progress per job, and the sweep gate when the last job is done."""
+"""rlsweep's Hydra callback: output-dir check, the sweep lock, progress per job.
+
+Hydra turns an ordinary exception raised in a callback into a warning and goes on, so nothing here may
+judge: the sweep gate runs after Hydra returns (``rlsweep.__main__``), and a callback that fails ends the
+process through SystemExit(1) with one line. Progress lines are information only and never raise.
+"""
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from rlsweep.check import gate_directory
-from rlsweep.gate import find_run_dirs
-from rlsweep.tables import CHECKS_TABLE
+from rlsweep.errors import ConfigError
+from rlsweep.exitcodes import ExitCode, one_line
+from rlsweep.locks import acquire
+from rlsweep.manifest import verify_run
+from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, read_table
+
+CALLBACK_TARGET = "rlsweep.callbacks.RlsweepCallback"
+
+
+@dataclass
+class Session:
+    """What the Hydra app leaves for the process: a single run's code, or the dir of the sweep to gate."""
+
+    code: ExitCode | None = None
+    sweep_dir: Path | None = None
+
+
+SESSION = Session()
+
+
+def unwritable_reason(directory: Path) -> str | None:
+    """Why ``directory`` cannot be created or written, or None; nothing is created on disk."""
+    ancestor = directory.absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"{str(ancestor)!r} is a file, not a directory"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"{str(ancestor)!r} is not writable"
+    return None
+
+
+def check_output_dir(directory: str, key: str) -> None:
+    reason = unwritable_reason(Path(directory))
+    if reason:
+        raise ConfigError(f"output directory {directory!r} ({key}) cannot be written: {reason}")
+
+
+def fatal(step: Callable[[], None]) -> None:
+    """Run a callback step; any failure is one line and exit 1, which Hydra cannot swallow."""
+    try:
+        step()
+    except BaseException as err:
+        print(f"rlsweep: error: {one_line(err)}", file=sys.stderr, flush=True)
+        raise SystemExit(int(ExitCode.ERROR)) from None
+
+
+def require_callback() -> None:
+    """A sweep is gated only while this callback runs; a job refuses to run in a sweep without it."""
+    targets = [str(entry.get("_target_")) for entry in (HydraConfig.get().callbacks or {}).values()]
+    if CALLBACK_TARGET not in targets:
+        raise ConfigError(f"hydra.callbacks must include {CALLBACK_TARGET} (it locks and gates sweeps); got {targets}")
 
 
 def red_so_far(sweep_dir: Path) -> tuple[int, int]:
-    """(complete runs, verdicts not as expected) among the tables already on disk."""
-    complete, _ = find_run_dirs(sweep_dir)
-    red = 0
-    for directory in complete:
-        checks = pd.read_parquet(directory / CHECKS_TABLE, columns=["passed", "expected_pass"])
-        red += int((checks["passed"] != checks["expected_pass"]).sum())
-    return len(complete), red
+    """(complete runs, verdicts not as expected) among the runs already complete under ``sweep_dir``."""
+    complete, red = 0, 0
+    for job_dir in sorted({path.parent for path in sweep_dir.rglob(CHECKS_TABLE)}):
+        if verify_run(job_dir).complete:
+            checks = read_table(job_dir / CHECKS_TABLE, CHECKS_SCHEMA).to_pandas()
+            complete += 1
+            red += int((checks["passed"] != checks["expected_pass"]).sum())
+    return complete, red
 
 
-class SweepGate(Callback):
-    """Prints which job runs and how many verdicts are red so far; gates the sweep at its end.
+class RlsweepCallback(Callback):
+    """Registered in conf/config.yaml as ``hydra.callbacks.rlsweep``."""
 
-    Hydra turns an ordinary exception raised in a callback into a warning, so the gate leaves
-    through SystemExit to make the process exit non-zero.
-    """
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        fatal(lambda: check_output_dir(config.hydra.run.dir, "hydra.run.dir"))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        def start() -> None:
+            check_output_dir(config.hydra.sweep.dir, "hydra.sweep.dir")
+            acquire(Path(config.hydra.sweep.dir))  # held until this process ends, gate included
+            SESSION.sweep_dir = Path(config.hydra.sweep.dir)
+
+        fatal(start)
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if HydraConfig.get().mode.name != "MULTIRUN":
@@ -48,12 +113,11 @@ class SweepGate(Callback):
                 job_return.return_value  # noqa: B018  (re-raises the job's exception)
             except Exception as err:
                 print(f"[rlsweep sweep] job #{job.num} FAILED ({' '.join(job_return.overrides)}): "
-                      f"{type(err).__name__}: {err}", flush=True)  # fmt: skip
-        runs, red = red_so_far(Path(config.hydra.sweep.dir))
+                      f"{one_line(err)}", flush=True)  # fmt: skip
+        try:
+            runs, red = red_so_far(Path(config.hydra.sweep.dir))
+        except Exception as err:
+            print(f"[rlsweep sweep] job #{job.num} done; progress unavailable: {one_line(err)}", flush=True)
+            return
         print(f"[rlsweep sweep] job #{job.num} done; {runs} runs complete, {red} verdicts not as expected so far",
               flush=True)  # fmt: skip
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        code = gate_directory(config.hydra.sweep.dir)
-        if code:
-            raise SystemExit(code)

@@ -1,8 +1,7 @@
 """``python -m rlsweep.check DIR``: the sweep gate over any directory of rlsweep tables.
 
-Writes ``sweep_checks.parquet`` and ``summary.md`` into DIR and prints a short table of verdicts.
-Exit codes: 0 every verdict as expected, 2 some verdict not as expected, 1 a job left no complete
-tables (it crashed) or DIR cannot be read.
+Writes ``sweep_checks.parquet`` and ``summary.md`` into DIR (holding DIR's lock while it does) and prints a
+short table of verdicts. Exit codes: ``rlsweep.exitcodes.ExitCode`` (docs/sweeps.md).
 """
 
 from __future__ import annotations
@@ -11,14 +10,17 @@ import argparse
 import sys
 from pathlib import Path
 
-from rlsweep.errors import RlsweepError
+from rlsweep.errors import TablesNotFoundError
+from rlsweep.exitcodes import ExitCode, guarded
 from rlsweep.gate import GateResult, run_gate, verdict_counts, write_sweep_outputs
+from rlsweep.locks import locked
 
+PROG = "python -m rlsweep.check"
 MAX_LISTED = 10
 
 
 def console_summary(result: GateResult) -> str:
-    """Verdicts per profile x tp, then the first verdicts that are not as expected."""
+    """Verdicts per profile x tp, then the first verdicts that are not as expected, then what is missing."""
     counts = verdict_counts(result)
     per_run = counts.groupby(["profile", "tp"], observed=True)[["passed", "failed", "unexpected"]].sum().reset_index()
     lines = [f"{'profile':<24} {'tp':>3} {'verdicts':>8} {'failed':>7} {'not as expected':>16}"]
@@ -32,29 +34,37 @@ def console_summary(result: GateResult) -> str:
         )
     if len(unexpected) > MAX_LISTED:
         lines.append(f"  ... {len(unexpected) - MAX_LISTED} more in summary.md")
+    lines += [f"  INCOMPLETE {line}" for line in result.incomplete[:MAX_LISTED]]
+    if len(result.incomplete) > MAX_LISTED:
+        lines.append(f"  ... {len(result.incomplete) - MAX_LISTED} more in summary.md")
     lines += [f"  {note}" for note in result.notes]
-    verdict = {0: "GREEN", 1: "CRASHED JOB", 2: "RED"}[result.exit_code]
-    lines.append(f"sweep gate: {len(result.runs)} runs, {len(unexpected)} verdicts not as expected -> {verdict}")
+    lines.append(
+        f"sweep gate: {len(result.runs)} runs, {len(unexpected)} verdicts not as expected, "
+        f"{len(result.incomplete)} missing or incomplete -> {result.exit_code.word}"
+    )
     return "\n".join(lines)
 
 
-def gate_directory(root: str | Path) -> int:
+def gate_directory(root: str | Path) -> ExitCode:
     """Run the gate over ``root``, write its tables there, print the summary; return the exit code."""
-    result = run_gate(root)
-    write_sweep_outputs(Path(root), result)
+    root = Path(root)
+    if not root.is_dir():
+        raise TablesNotFoundError(f"{str(root)!r} is not a directory of rlsweep tables")
+    with locked(root):
+        result = run_gate(root)
+        write_sweep_outputs(root, result)
     print(console_summary(result))
     return result.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rlsweep.check", description=__doc__.splitlines()[0])
-    parser.add_argument("directory", type=Path, help="a run dir, a sweep dir or a whole outputs/ tree")
-    args = parser.parse_args(argv)
-    try:
+    def command() -> ExitCode:
+        parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+        parser.add_argument("directory", type=Path, help="a run dir, a sweep dir or a whole outputs/ tree")
+        args = parser.parse_args(argv)
         return gate_directory(args.directory)
-    except (RlsweepError, OSError) as err:
-        print(f"rlsweep.check: error: {err}", file=sys.stderr)
-        return 1
+
+    return int(guarded(PROG, command))
 
 
 if __name__ == "__main__":

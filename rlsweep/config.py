@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 import kernels
+from rlsweep.errors import ConfigError
 
 WEIGHT_SOURCES = ("synthetic", "file")
 DEVICES = kernels.PLATFORMS
@@ -125,6 +126,16 @@ class RunConfig:
     seed: int = 0
     expected_red: list[ExpectedVerdictConfig] = field(default_factory=list)  # sweep-level declarations
     tables_dir: str | None = None  # default: the Hydra run's output dir
+
+
+def check_complete(cfg: DictConfig) -> None:
+    """Every mandatory value (``???``, e.g. model=replay's sizes) is set; all unset keys are named at once."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(
+            f"mandatory config values are not set: {', '.join(missing)}; give each on the command line "
+            f"(e.g. {missing[0]}=...)"
+        )
 
 
 def register_configs() -> None:

@@ -1,4 +1,4 @@
-"""The tolerance contract: one versioned document, the only place thresholds come from (SPEC §4.8).
+"""The tolerance contract: one versioned document, the only place thresholds come from (docs/contract.md).
 
 ``load_contract()`` reads the packaged ``conf/contract/v1.yaml``; ``contract_from_mapping`` takes the
 same document as Hydra composed it. Both validate it and return a frozen :class:`Contract`.
@@ -6,8 +6,6 @@ same document as Hydra composed it. Both validate it and return a frozen :class:
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,6 +19,7 @@ from omegaconf import OmegaConf
 
 import kernels
 from rlsweep.errors import ContractError
+from rlsweep.manifest import canonical_sha256
 
 CONTRACT_JUDGMENTS = (
     "forward_accuracy",
@@ -37,8 +36,18 @@ BITWISE_SCOPE = kernels.DeterminismScope.CROSS_TP_BITWISE.value
 COMPARISON_MODES = ("bitwise", "tolerance")
 CONTRACT_DTYPES = kernels.EXECUTION_DTYPE_NAMES
 CHAIN_METRICS = ("max_abs_dlogp", "approx_kl0", "clipfrac0")
+FORWARD_TENSORS = ("logp", "lse")
+GRADIENT_TENSORS = ("grad_hidden", "grad_weight")
+CONTRACT_TENSORS = FORWARD_TENSORS + GRADIENT_TENSORS
 PIN_KEY = "expected_sha256"
 DEFAULT_CONTRACT = "v1"
+# Every key the loader knows, per section: anything else is a typo that would silently weaken a row.
+TOP_KEYS = ("version", PIN_KEY, "dtype_policy", "comparison_roles", "judgments", "chain_logprob_aggregates")
+DTYPE_POLICY_KEYS = ("execution_dtype", "accumulation_dtype", "reference_dtype", "tf32", "fp8")
+ROLES_KEYS = ("roles", "judgments", "forbidden")
+ROW_KEYS = ("atol", "rtol", "mode")
+CHAIN_KEYS = ("over", "clip_interval", "require_all", "nonfinite", "empty_active_set", "thresholds")
+RowKey = tuple[str, str, str, str]  # (judgment, scope or "", tensor, dtype)
 
 
 @dataclass(frozen=True)
@@ -141,6 +150,16 @@ class Contract:
             raise ContractError(f"the contract declares no comparison roles for {name!r}; known: {sorted(self.roles)}")
         return self.roles[name]
 
+    def require(self, rows: list[RowKey], roles: list[str], chain_dtypes: list[str]) -> None:
+        """Raise ContractError naming every row, role pair and chain dtype a run needs that this contract lacks."""
+        missing = [
+            f"judgments.{j}{'.' + s if s else ''}.rows.{t}.{d}" for j, s, t, d in rows if (j, s, t, d) not in self.rows
+        ]
+        missing += [f"comparison_roles.judgments.{name}" for name in roles if name not in self.roles]
+        missing += [f"chain_logprob_aggregates.thresholds.{d}" for d in chain_dtypes if d not in self.chain]
+        if missing:
+            raise ContractError(f"contract {self.version} lacks what this run judges: {', '.join(missing)}")
+
     def chain_thresholds(self, dtype: str) -> ChainThresholds:
         if dtype not in self.chain:
             known = sorted(self.chain)
@@ -164,28 +183,26 @@ def load_contract(path: str | Path | None = None) -> Contract:
 
 def contract_sha256(document: Mapping[str, Any]) -> str:
     """sha256 of the canonical JSON of the document without the pin; ints count as floats."""
-    body = {key: value for key, value in document.items() if key != PIN_KEY}
-    canonical = json.dumps(canonical_numbers(body), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    return canonical_sha256({key: value for key, value in document.items() if key != PIN_KEY})
 
 
-def canonical_numbers(value: Any) -> Any:
-    """0 and 0.0 hash alike, so writing a threshold either way is the same contract."""
-    if isinstance(value, Mapping):
-        return {str(k): canonical_numbers(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [canonical_numbers(v) for v in value]
-    if isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    return value
+def reject_unknown(section: Any, known: tuple[str, ...], where: str) -> None:
+    """A section must be a mapping of known keys only."""
+    if not isinstance(section, Mapping):
+        raise ContractError(f"{where} must be a mapping, got {section!r}")
+    unknown = sorted(set(map(str, section)) - set(known))
+    if unknown:
+        raise ContractError(f"{where}: unknown key(s) {unknown}; valid: {', '.join(known)}")
 
 
 def contract_from_mapping(document: Mapping[str, Any], *, source: str = "contract") -> Contract:
     """Validate a contract document (plain containers) and freeze it."""
     document = dict(document)
-    for key in ("version", "dtype_policy", "comparison_roles", "judgments", "chain_logprob_aggregates"):
-        if key not in document:
+    reject_unknown(document, TOP_KEYS, source)
+    for key in TOP_KEYS:
+        if key not in document and key != PIN_KEY:
             raise ContractError(f"{source}: missing top-level key {key!r}")
+    reject_unknown(document["dtype_policy"], DTYPE_POLICY_KEYS, f"{source}: dtype_policy")
     roles = parse_roles(document["comparison_roles"], source)
     rows = parse_judgments(document["judgments"], source)
     clip, chain = parse_chain(document["chain_logprob_aggregates"], source)
@@ -205,6 +222,7 @@ def contract_from_mapping(document: Mapping[str, Any], *, source: str = "contrac
 
 
 def parse_roles(section: Mapping[str, Any], source: str) -> dict[str, tuple[str, str]]:
+    reject_unknown(section, ROLES_KEYS, f"{source}: comparison_roles")
     known = set(section.get("roles", []))
     forbidden = {(pair["lhs"], pair["rhs"]) for pair in section.get("forbidden", [])}
     roles = {}
@@ -221,10 +239,12 @@ def parse_roles(section: Mapping[str, Any], source: str) -> dict[str, tuple[str,
 
 def parse_judgments(section: Mapping[str, Any], source: str) -> dict[tuple[str, str, str, str], Tolerance]:
     rows: dict[tuple[str, str, str, str], Tolerance] = {}
+    reject_unknown(section, CONTRACT_JUDGMENTS, f"{source}: judgments")
     for judgment, block in section.items():
         if judgment not in CONTRACT_JUDGMENTS:
             raise ContractError(f"{source}: unknown judgment {judgment!r}; valid: {', '.join(CONTRACT_JUDGMENTS)}")
         if judgment == "tp_invariance":
+            reject_unknown(block, ("scopes",), f"{source}: judgments.{judgment}")
             scopes = block.get("scopes", {})
             if set(scopes) != set(DETERMINISM_SCOPES):
                 raise ContractError(
@@ -244,10 +264,13 @@ def parse_judgments(section: Mapping[str, Any], source: str) -> dict[tuple[str, 
 def parse_rows(
     label: str, judgment: str, scope: str, block: Mapping[str, Any], bitwise: bool, source: str
 ) -> dict[tuple[str, str, str, str], Tolerance]:
+    reject_unknown(block, ("rows",), f"{source}: judgments.{label}")
     if "rows" not in block:
         raise ContractError(f"{source}: judgments.{label} has no 'rows'")
     rows = {}
+    reject_unknown(block["rows"], CONTRACT_TENSORS, f"{source}: judgments.{label}.rows")
     for tensor, by_dtype in block["rows"].items():
+        reject_unknown(by_dtype, CONTRACT_DTYPES, f"{source}: judgments.{label}.rows.{tensor}")
         for dtype, row in by_dtype.items():
             where = f"{source}: judgments.{label}.rows.{tensor}.{dtype}"
             if dtype not in CONTRACT_DTYPES:
@@ -263,6 +286,7 @@ def parse_rows(
 
 
 def parse_tolerance(row: Mapping[str, Any], where: str) -> Tolerance:
+    reject_unknown(row, ROW_KEYS, where)
     mode = row.get("mode")
     if mode not in COMPARISON_MODES:
         raise ContractError(f"{where}: mode must be one of {COMPARISON_MODES}, got {mode!r}")
@@ -279,6 +303,7 @@ def parse_tolerance(row: Mapping[str, Any], where: str) -> Tolerance:
 
 def parse_chain(section: Mapping[str, Any], source: str) -> tuple[tuple[float, float], dict[str, ChainThresholds]]:
     where = f"{source}: chain_logprob_aggregates"
+    reject_unknown(section, CHAIN_KEYS, where)
     if section.get("require_all") is not True:
         raise ContractError(
             f"{where}.require_all must be true (every aggregate must pass), got {section.get('require_all')!r}"
@@ -290,11 +315,16 @@ def parse_chain(section: Mapping[str, Any], source: str) -> tuple[tuple[float, f
     if not isinstance(clip, (list, tuple)) or len(clip) != 2 or not 0 < clip[0] < 1 < clip[1]:
         raise ContractError(f"{where}.clip_interval must be [low, high] with 0 < low < 1 < high, got {clip!r}")
     chain = {}
+    reject_unknown(section.get("thresholds", {}), CONTRACT_DTYPES, f"{where}.thresholds")
     for dtype, thresholds in section.get("thresholds", {}).items():
-        if dtype not in CONTRACT_DTYPES or set(thresholds) != set(CHAIN_METRICS):
+        if not isinstance(thresholds, Mapping) or set(thresholds) != set(CHAIN_METRICS):
             raise ContractError(
                 f"{where}.thresholds.{dtype}: need dtype in {CONTRACT_DTYPES} and exactly the metrics "
                 f"{list(CHAIN_METRICS)}, got {sorted(thresholds)}"
             )
-        chain[dtype] = ChainThresholds(**{metric: float(thresholds[metric]) for metric in CHAIN_METRICS})
+        values = {metric: thresholds[metric] for metric in CHAIN_METRICS}
+        for metric, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ContractError(f"{where}.thresholds.{dtype}.{metric} must be a finite number >= 0, got {value!r}")
+        chain[dtype] = ChainThresholds(**{metric: float(value) for metric, value in values.items()})
     return (float(clip[0]), float(clip[1])), chain

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+MEMINFO = Path("/proc/meminfo")
 
 
 def git_commit() -> str | None:
@@ -40,6 +42,33 @@ def device_info(device: str) -> dict[str, Any]:
             "cuda": torch.version.cuda,
         }
     return {"name": platform.processor() or platform.machine(), "capability": None, "threads": torch.get_num_threads()}
+
+
+def available_memory(device: str) -> tuple[int, str] | None:
+    """Bytes a run can still allocate on ``device`` and where that figure comes from; None if it cannot be known.
+
+    cuda: the free bytes of the current GPU (torch.cuda.mem_get_info); None without CUDA or when it cannot be
+    queried (the run stops before any tensor is made). cpu: MemAvailable of /proc/meminfo, else the available
+    physical pages (os.sysconf).
+    """
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        try:
+            free, _total = torch.cuda.mem_get_info()
+            return free, f"free memory of cuda:{torch.cuda.current_device()} (torch.cuda.mem_get_info)"
+        except (RuntimeError, AssertionError):  # CUDA cannot be queried: the run's own CUDA checks report it
+            return None
+    try:
+        for line in MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024, f"MemAvailable in {MEMINFO}"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "available physical pages (os.sysconf)"
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def environment(device: str) -> dict[str, Any]:

@@ -9,10 +9,20 @@ from functools import partial
 import torch
 
 import kernels
-from rlsweep.layouts import NONE, Call, Cell, restore_logical_order
-from rlsweep.workload import Workload
+from rlsweep.config import LayoutConfig, ModelConfig
+from rlsweep.errors import ConfigError
+from rlsweep.layouts import NONE, Call, Cell, filler_rows, largest_calls, restore_logical_order
+from rlsweep.model import GENERATION_ROWS
+from rlsweep.synthetic import normal_matrix_bytes
+from rlsweep.workload import Workload, WorkloadShape
 
 REFERENCE_BACKEND = "reference"
+FLOAT64_BYTES = 8  # the reference and the target sampling compute in float64
+FLOAT32_BYTES = 4  # the stock path upcasts logits to fp32 before its vocab reductions
+WORKING_ARRAYS = 3  # a reduction over the vocab holds its input, x - max and exp(x - max) at once
+RECORD_BYTES = 768  # per (cell, token): results, then the tokens table as Python lists and Arrow (measured ~650 on CPU)
+RUNTIME_BYTES = 256 << 20  # code and buffers loaded on first use (measured on CPU: 70 MiB aten, 140 MiB Triton)
+MIB, GIB = 1 << 20, 1 << 30
 
 
 # hidden[T, H], weight[V, H], targets[T] -> LogprobResult: a dispatched op, or the reference call.
@@ -80,3 +90,113 @@ def run_reference(
     """The float64 gold, once per run, on the canonical cell at tp=1."""
     reference = partial(kernels.lm_head_logprob, backend=REFERENCE_BACKEND, vocab_tile=vocab_tile)
     return run_cell(canonical, workload, weight, filler, reference)
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """A run's estimated peak bytes on its device, term by term (``peak_bytes`` says what each counts)."""
+
+    resident: dict[str, int]  # held for the whole run
+    phases: dict[str, int]  # held one at a time: only the largest adds to the peak
+    sizes: dict[str, int]  # the sizes the estimate was made from
+
+    @property
+    def peak(self) -> int:
+        return sum(self.resident.values()) + max(self.phases.values(), default=0)
+
+    def describe(self) -> str:
+        largest = max(self.phases, key=self.phases.__getitem__)
+        terms = [*self.resident.items(), (f"largest phase, {largest}", self.phases[largest])]
+        return " + ".join(f"{name} {size_text(size)}" for name, size in terms)
+
+
+def size_text(size: int) -> str:
+    return f"{size / GIB:,.1f} GiB" if size >= GIB else f"{size / MIB:,.1f} MiB"
+
+
+def peak_bytes(
+    model: ModelConfig,
+    layout: LayoutConfig,
+    shape: WorkloadShape,
+    *,
+    dtype: torch.dtype,
+    vocab_tile: int,
+    tp: int,
+    tp_mode: str,
+    synthetic_workload: bool,
+) -> Footprint:
+    """Peak bytes a run allocates on its device: what it holds throughout plus its largest phase.
+
+    With V = vocab_size, H = hidden_size, e = the execution dtype's bytes, T tokens (A active), F needle filler
+    rows, R the rows of the largest kernel call of any cell (``largest_calls``), V_pad the vocab padded for tp
+    in tiles of vocab_tile and C the number of cells, it counts:
+
+    - held throughout: RUNTIME_BYTES of code and buffers loaded on first use; the weight V*H*e (twice under
+      tp_mode=distributed: the ranks hold their own copy); hidden states (T + F)*H*e; C*T*RECORD_BYTES for
+      the results and the tokens table;
+    - synthetic weight generation: the row blocks before their concatenation (V*H*e) and the counter
+      arithmetic of one block (``normal_matrix_bytes``);
+    - synthetic hidden states: the counter arithmetic of T (or F filler) rows at once;
+    - target sampling (synthetic workloads): float64 copies of the weight and of the A active hidden rows, and
+      float64 logits, softmax and CDF [A, V];
+    - the float64 reference (the canonical call, tp=1): float64 copies of the weight and hidden, the call's
+      input T*H*e, and float64 logits [T, V] with two working arrays of that size (x - max, exp);
+    - the largest kernel call: its input R*H*e, every rank's logits [R, V] in the execution dtype, three fp32
+      working arrays [R, V] (upcast, x - max, exp: the stock path's need, above Triton's) and the fp32
+      per-tile partials (max, sum) [R, V_pad / vocab_tile].
+
+    Not counted: reading a weight or replay file (as stored, then cast; the reference phase is larger unless
+    the file is float64 and pads its vocab), copies a CUDA run keeps on the host (the target CDF, the
+    tables), CUDA's caching allocator and library workspaces. Ranks of tp_mode=distributed on other GPUs
+    than the run's are counted as if on it. tests/test_input_bounds.py checks it against a CPU run's peak RSS.
+    """
+    vocab, hidden, itemsize = model.vocab_size, model.hidden_size, dtype.itemsize
+    tokens, active = shape.num_tokens, shape.num_active
+    calls = largest_calls(layout, shape)
+    widest = max(calls, key=calls.__getitem__)
+    rows, filler = calls[widest], filler_rows(layout)
+    padded = kernels.padded_vocab_size(vocab, vocab_tile, tp)
+    weight = vocab * hidden * itemsize
+    weight64 = vocab * hidden * FLOAT64_BYTES
+    resident = {
+        "runtime": RUNTIME_BYTES,
+        "weight": weight * (2 if tp_mode == "distributed" else 1),
+        "hidden states": (tokens + filler) * hidden * itemsize,
+        "results and tables": len(calls) * tokens * RECORD_BYTES,
+    }
+    phases = {
+        "float64 reference": weight64
+        + tokens * hidden * (FLOAT64_BYTES + itemsize)
+        + WORKING_ARRAYS * tokens * vocab * FLOAT64_BYTES,
+        f"kernel call of {rows} rows ({widest})": rows * hidden * itemsize
+        + rows * vocab * (itemsize + WORKING_ARRAYS * FLOAT32_BYTES)
+        + rows * padded // vocab_tile * 2 * FLOAT32_BYTES,
+        "hidden state generation": normal_matrix_bytes(max(tokens if synthetic_workload else 0, filler), hidden),
+    }
+    if model.weights.kind == "synthetic":
+        phases["weight generation"] = weight + normal_matrix_bytes(min(GENERATION_ROWS, vocab), hidden)
+    if synthetic_workload:
+        phases["target sampling"] = (
+            weight64 + active * hidden * FLOAT64_BYTES + WORKING_ARRAYS * active * vocab * FLOAT64_BYTES
+        )
+    sizes = {
+        "hidden_size": hidden,
+        "vocab_size": vocab,
+        "tokens": tokens,
+        "largest_call_rows": rows,
+        "filler_rows": filler,
+        "tp": tp,
+    }
+    return Footprint(resident, phases, sizes)
+
+
+def check_fits(footprint: Footprint, device: str, available: tuple[int, str] | None) -> None:
+    """Refuse a run whose estimated peak exceeds the memory ``available`` on ``device`` (None: unknown, pass)."""
+    if available is None or footprint.peak <= available[0]:
+        return
+    free, source = available
+    sizes = " ".join(f"{name}={value}" for name, value in footprint.sizes.items())
+    raise ConfigError(
+        f"this run needs about {size_text(footprint.peak)} on {device} ({footprint.describe()}) but only "
+        f"{size_text(free)} is available ({source}); sizes: {sizes}; make the model, workload or needles smaller"
+    )

@@ -1,12 +1,15 @@
-"""The sweep gate: cross-run judgments from the tables on disk (SPEC §4.9, §4.11).
+"""The sweep gate: cross-run judgments from the tables on disk (docs/sweeps.md).
 
-``tp_invariance`` compares every run with the smallest-tp run of the same profile, model, weights,
-workload and seed, cell by cell; ``backend_parity`` compares the canonical cell of profiles that ran
-the same model, weights, workload, seed and tp. Reading from disk makes the gate work with any launcher.
+A sweep is judged against its own job list (Hydra's ``multirun.yaml``): every job must have a complete
+run (``rlsweep.manifest``), or the gate says INCOMPLETE, naming the job. ``tp_invariance`` compares every
+run with the smallest-tp run of the same profile, model, weights, workload and seed, cell by cell;
+``backend_parity`` compares the canonical cell of profiles that ran the same model, weights, workload,
+seed and tp. Reading from disk makes the gate work with any launcher.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from itertools import combinations
@@ -16,23 +19,44 @@ from typing import Any
 import pandas as pd
 import pyarrow as pa
 import torch
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
 
 import kernels
 from rlsweep.config import ExpectedVerdictConfig
-from rlsweep.contract import Contract, contract_from_mapping
-from rlsweep.errors import RlsweepError
-from rlsweep.judgments import FORWARD_TENSORS, Verdict, apply_expected, compare_tokens, expectations_for
+from rlsweep.contract import FORWARD_TENSORS, Contract, contract_from_mapping
+from rlsweep.errors import RlsweepError, TablesNotFoundError
+from rlsweep.exitcodes import ExitCode, combine
+from rlsweep.judgments import (
+    SWEEP_JUDGMENTS,
+    Verdict,
+    applies,
+    apply_expected,
+    compare_tokens,
+    declaration_verdict,
+    declared,
+    declares,
+    describe,
+    expectations_for,
+)
 from rlsweep.layouts import CANONICAL_CELL
+from rlsweep.manifest import HYDRA_CONFIG, MANIFEST_FILE, verify_run
 from rlsweep.tables import (
     CHECKS_SCHEMA,
     CHECKS_TABLE,
     RUN_COLUMNS,
+    RUN_TABLES,
+    TOKENS_SCHEMA,
     TOKENS_TABLE,
+    TableError,
     read_metadata,
-    run_is_complete,
+    read_table,
     write_tables,
 )
 
+MULTIRUN_FILE = "multirun.yaml"  # Hydra's record of a sweep: its sweeper, parameters and overrides
+JOB_OVERRIDES = Path(".hydra") / "overrides.yaml"
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 SWEEP_CHECKS_TABLE = "sweep_checks.parquet"
 SUMMARY_FILE = "summary.md"
 TP_MODE_ORDER = ("emulated", "distributed")  # the baseline of a tp group is emulated when both ran
@@ -65,10 +89,10 @@ class GateResult:
     """Everything the gate found under one directory."""
 
     runs: list[RunTables]
-    incomplete: list[Path]
+    incomplete: list[str]  # one line per job or run dir that is missing or not complete
     sweep_checks: pd.DataFrame
     run_checks: pd.DataFrame
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # information that does not change the verdict
 
     @property
     def unexpected(self) -> pd.DataFrame:
@@ -76,49 +100,156 @@ class GateResult:
         return both[both["passed"] != both["expected_pass"]] if len(both) else both
 
     @property
-    def exit_code(self) -> int:
-        """1 when a job left no complete tables (it crashed), else 2 on any unexpected verdict, else 0."""
-        if self.incomplete:
-            return 1
-        return 2 if len(self.unexpected) else 0
+    def exit_code(self) -> ExitCode:
+        """INCOMPLETE when a job or table is missing, else RED on any unexpected verdict, else GREEN."""
+        found = [ExitCode.INCOMPLETE] if self.incomplete else []
+        return combine(found + ([ExitCode.RED] if len(self.unexpected) else []))
 
 
-def find_run_dirs(root: Path) -> tuple[list[Path], list[Path]]:
-    """(complete run dirs, Hydra job dirs without complete tables) under ``root``."""
-    candidates = {path.parent for path in root.rglob(CHECKS_TABLE)} | {path.parent for path in root.rglob(TOKENS_TABLE)}
-    candidates |= {path.parent for path in root.rglob(".hydra") if path.is_dir()}
-    complete = sorted(path for path in candidates if run_is_complete(path))
-    incomplete = sorted(path for path in candidates if not run_is_complete(path))
-    return complete, incomplete
+def sweep_jobs(sweep_dir: Path) -> list[tuple[str, ...]]:
+    """Every job's overrides, as Hydra's basic sweeper expands them from the sweep's ``multirun.yaml``."""
+    path = sweep_dir / MULTIRUN_FILE
+    try:
+        hydra_cfg = OmegaConf.load(path).hydra
+        sweeper = OmegaConf.select(hydra_cfg, "sweeper._target_")
+        params_node = OmegaConf.select(hydra_cfg, "sweeper.params")
+        params = OmegaConf.to_container(params_node, resolve=False) if params_node is not None else {}
+        task = OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)
+    except Exception as err:
+        raise TableError(f"{str(path)!r} cannot be read as Hydra's sweep record: {' '.join(str(err).split())}") from err
+    if sweeper != BASIC_SWEEPER:
+        raise RlsweepError(f"{str(path)!r}: cannot list the jobs of sweeper {sweeper!r}; rlsweep gates {BASIC_SWEEPER}")
+    arguments = [f"{key}={value}" for key, value in params.items()] + list(task)
+    choices: dict[str, list[str]] = {}  # key -> its "key=value" choices; a later override of a key replaces it
+    for override in OverridesParser.create().parse_overrides(arguments):
+        key = override.get_key_element()
+        if not override.is_sweep_override():
+            choices[key] = [f"{key}={override.get_value_element_as_str()}"]
+        elif override.is_discrete_sweep():
+            choices[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
+        else:
+            raise RlsweepError(f"{str(path)!r}: the basic sweeper cannot expand {key!r} ({override.input_line})")
+    return list(itertools.product(*choices.values()))
+
+
+def job_overrides(run_dir: Path) -> tuple[str, ...] | None:
+    path = run_dir / JOB_OVERRIDES
+    if not path.is_file():
+        return None
+    try:
+        return tuple(OmegaConf.to_container(OmegaConf.load(path), resolve=False))
+    except Exception:
+        return None
+
+
+def candidate_dirs(root: Path) -> set[Path]:
+    """Directories that hold, or were meant to hold, a run: tables, a manifest or Hydra's job record."""
+    found = {path.parent for name in (*RUN_TABLES, MANIFEST_FILE) for path in root.rglob(name)}
+    return found | {path.parent.parent for path in root.rglob(str(HYDRA_CONFIG))}
+
+
+def discover(root: Path) -> tuple[list[Path], list[str], list[str]]:
+    """(complete run dirs to judge, what is missing or incomplete, notes) under ``root``.
+
+    Runs inside a sweep dir are judged against that sweep's job list; runs outside any sweep stand alone.
+    """
+    sweeps = sorted({path.parent for path in root.rglob(MULTIRUN_FILE)}, key=lambda p: len(p.parts), reverse=True)
+    candidates = candidate_dirs(root)
+    complete: list[Path] = []
+    incomplete: list[str] = []
+    notes: list[str] = []
+    claimed: set[Path] = set()
+    for sweep_dir in sweeps:
+        members = sorted(d for d in candidates - claimed if d.is_relative_to(sweep_dir) and d != sweep_dir)
+        claimed.update(members)
+        by_overrides: dict[tuple[str, ...], list[Path]] = {}
+        for member in members:
+            by_overrides.setdefault(tuple(sorted(job_overrides(member) or ())), []).append(member)
+        matched: set[Path] = set()
+        for number, job in enumerate(sweep_jobs(sweep_dir)):
+            dirs = by_overrides.get(tuple(sorted(job)), [])
+            label = f"{sweep_dir}: job #{number} ({' '.join(job)})"
+            if not dirs:
+                incomplete.append(f"{label}: no run dir")
+                continue
+            if len(dirs) > 1:
+                incomplete.append(f"{label}: {len(dirs)} run dirs claim it ({', '.join(map(str, dirs))})")
+                matched.update(dirs)
+                continue
+            matched.add(dirs[0])
+            state = verify_run(dirs[0])
+            if state.complete:
+                complete.append(dirs[0])
+            else:
+                incomplete.append(f"{label} in {dirs[0]}: {state.reason}")
+        notes += [f"{d}: not a job of {sweep_dir / MULTIRUN_FILE}; not judged" for d in members if d not in matched]
+    for run_dir in sorted(candidates - claimed):
+        state = verify_run(run_dir)
+        if state.complete:
+            complete.append(run_dir)
+        else:
+            incomplete.append(f"{run_dir}: {state.reason}")
+    return complete, incomplete, notes
 
 
 def load_run(directory: Path) -> RunTables:
+    """A complete run's tables, each checked against its schema; a run always holds at least one verdict."""
+    tokens = read_table(directory / TOKENS_TABLE, TOKENS_SCHEMA).to_pandas()
+    checks = read_table(directory / CHECKS_TABLE, CHECKS_SCHEMA).to_pandas()
+    if not len(checks):
+        raise TableError(f"{str(directory / CHECKS_TABLE)!r} holds no verdict (every run judges its contract)")
     metadata = read_metadata(directory / CHECKS_TABLE)
-    tokens = pd.read_parquet(directory / TOKENS_TABLE)
-    checks = pd.read_parquet(directory / CHECKS_TABLE)
-    run = checks.iloc[0][RUN_COLUMNS.names].to_dict() if len(checks) else {}
+    run = checks.iloc[0][RUN_COLUMNS.names].to_dict()
     contract = contract_from_mapping(metadata["contract"], source=f"{directory / CHECKS_TABLE} metadata")
     return RunTables(directory, run, metadata["config"], contract, tokens, checks)
 
 
 def run_gate(root: str | Path) -> GateResult:
-    """Load every run under ``root`` and compute the cross-run verdicts."""
+    """Load every complete run under ``root`` and compute the cross-run verdicts."""
     root = Path(root)
     if not root.is_dir():
-        raise FileNotFoundError(f"{str(root)!r} is not a directory of rlsweep tables")
-    complete, incomplete = find_run_dirs(root)
+        raise TablesNotFoundError(f"{str(root)!r} is not a directory of rlsweep tables")
+    complete, incomplete, notes = discover(root)
     if not complete and not incomplete:
-        raise RlsweepError(f"no rlsweep tables ({CHECKS_TABLE}, {TOKENS_TABLE}) under {str(root)!r}")
+        raise TablesNotFoundError(f"no rlsweep run ({MANIFEST_FILE}, {CHECKS_TABLE}, {TOKENS_TABLE}) in {str(root)!r}")
     runs = [load_run(directory) for directory in complete]
     rows: list[dict[str, Any]] = []
     for lhs, rhs in tp_pairs(runs):
         rows += verdict_rows(lhs, tp_invariance(lhs, rhs))
     for lhs, rhs in parity_pairs(runs):
         rows += verdict_rows(lhs, backend_parity(lhs, rhs))
-    sweep_checks = pd.DataFrame(rows, columns=CHECKS_SCHEMA.names)
+    rows += declaration_check(runs, rows)
+    sweep_checks = pd.DataFrame(rows, columns=CHECKS_SCHEMA.names).astype({"passed": bool, "expected_pass": bool})
     run_checks = pd.concat([run.checks for run in runs], ignore_index=True) if runs else sweep_checks.iloc[:0]
-    notes = [f"{path}: no complete tables (the job crashed or is still running)" for path in incomplete]
     return GateResult(runs, incomplete, sweep_checks, run_checks, notes)
+
+
+def declaration_check(runs: Sequence[RunTables], sweep_rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Red rows for declarations that select no run, and for sweep-judgment declarations that match no row.
+
+    Each run already judged its own run-judgment declarations (a red ``expected_red`` row where one matched nothing).
+    """
+    seen: dict[str, ExpectedVerdictConfig] = {}
+    for run in runs:
+        for declaration in declared(run.config):
+            seen.setdefault(describe(declaration), declaration)
+    rows = []
+    for declaration in seen.values():
+        selected = [run for run in runs if applies(declaration, run.config)]
+        if not selected:
+            verdict = replace(declaration_verdict(declaration, 0, "this sweep"),
+                              detail=f"{describe(declaration)} selects no run of this sweep")  # fmt: skip
+            rows += verdict_rows(runs[0], [verdict])
+        elif declaration.judgment in SWEEP_JUDGMENTS:
+            ids = {run.run["run_id"] for run in selected}
+            matched = sum(
+                declares(declaration, row["judgment"], row["lhs_cell"], row["tensor"])
+                for row in sweep_rows
+                if row["run_id"] in ids
+            )
+            if not matched:
+                rows += verdict_rows(selected[0], [declaration_verdict(declaration, 0, "this sweep")])
+    return rows
 
 
 def sweep_group(run: RunTables) -> tuple:
@@ -214,7 +345,10 @@ def verdict_counts(result: GateResult) -> pd.DataFrame:
 
 def summary_markdown(result: GateResult) -> str:
     counts = verdict_counts(result)
-    lines = ["# Sweep summary", "", f"Runs with complete tables: {len(result.runs)}.", ""]
+    lines = ["# Sweep summary", "", f"Complete runs judged: {len(result.runs)}.", ""]
+    if result.incomplete:
+        lines += [f"Missing or incomplete ({len(result.incomplete)}), so the sweep cannot be GREEN:", ""]
+        lines += [f"- {line}" for line in result.incomplete] + [""]
     lines += [f"- {note}" for note in result.notes]
     lines += ["| profile | tp | judgment | passed | failed | not as expected |", "|---|---:|---|---:|---:|---:|"]
     lines += [
@@ -233,7 +367,7 @@ def summary_markdown(result: GateResult) -> str:
         ]
     unexpected = result.unexpected
     lines += ["", f"Verdicts not as expected: {len(unexpected)}."]
-    for row in unexpected.head(20).itertuples():
+    for row in unexpected.itertuples():
         lines.append(f"- {row.profile} tp={row.tp} {row.judgment} {row.tensor} {row.lhs_cell}: {row.detail}")
-    lines += ["", f"Exit code: {result.exit_code}."]
+    lines += ["", f"Exit code: {int(result.exit_code)} ({result.exit_code.word})."]
     return "\n".join(lines) + "\n"

@@ -1,4 +1,9 @@
-"""Verdicts within one run (SPEC §4.9): accuracy, layout invariance, chain aggregates, smoke, provenance, contract."""
+"""Verdicts within one run (docs/index.md): accuracy, layout invariance, chain aggregates, smoke, provenance, contract.
+
+Also the rules every verdict obeys: expected-red declarations (strict both ways: a declared row that passes
+is red, and a declaration that matches no row is a red row of its own) and rows for judgments that
+provenance prevented, so what did not run is judged red rather than missing.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import torch
 
 import kernels
 from rlsweep.config import ExpectedVerdictConfig
-from rlsweep.contract import CHAIN_METRICS, Contract, Tolerance
+from rlsweep.contract import CHAIN_METRICS, FORWARD_TENSORS, Contract, Tolerance
 from rlsweep.errors import ConfigError
 from rlsweep.execute import CellResult
 from rlsweep.layouts import DECODE_CELL
@@ -20,8 +25,11 @@ from rlsweep.workload import Workload
 
 RUN_JUDGMENTS = ("forward_accuracy", "forward_invariance", "chain_aggregates", "smoke", "provenance", "contract")
 SWEEP_JUDGMENTS = ("tp_invariance", "backend_parity")
-JUDGMENTS = RUN_JUDGMENTS + SWEEP_JUDGMENTS
-FORWARD_TENSORS = ("logp", "lse")
+JUDGMENTS = RUN_JUDGMENTS + SWEEP_JUDGMENTS  # what an expected_red declaration may name
+DECLARATION = "expected_red"  # the judgment of a row about a declaration that matched nothing
+NOT_RUN = "not_run"  # the metric of a row whose judgment provenance prevented
+PER_METRIC = ("chain_aggregates", "smoke")  # judgments with one row per metric rather than per cell
+SMOKE_ROWS = (("logp,lse", "nonfinite_values"), ("logp", "max_logp"), ("logp", "active_tokens"))  # (tensor, metric)
 NO_CELL = ""  # lhs_cell/rhs_cell of verdicts that are not about a cell (contract, weight pin)
 
 
@@ -189,47 +197,22 @@ def chain_aggregates(
 
 
 def smoke(canonical: CellResult, workload: Workload, roles: tuple[str, str]) -> list[Verdict]:
-    """Finite outputs, logp <= 0 on active tokens, and something to judge."""
+    """Finite outputs, logp <= 0 on active tokens, and something to judge (one row per SMOKE_ROWS entry)."""
     rows = torch.nonzero(workload.active)[:, 0]
     logp, lse = canonical.logp[rows], canonical.lse[rows]
     nonfinite = int((~torch.isfinite(logp)).sum() + (~torch.isfinite(lse)).sum())
     max_logp = float(logp.max()) if rows.numel() else math.nan
-    cells = (canonical.cell.name, NO_CELL)
-    return [
-        Verdict(
-            "smoke",
-            "logp,lse",
-            *roles,
-            *cells,
-            metric="nonfinite_values",
-            value=float(nonfinite),
-            threshold=0.0,
-            passed=nonfinite == 0,
-            detail="NaN/Inf among active logp and lse",
-        ),
-        Verdict(
-            "smoke",
-            "logp",
-            *roles,
-            *cells,
-            metric="max_logp",
-            value=max_logp,
-            threshold=0.0,
-            passed=rows.numel() > 0 and max_logp <= 0.0,
-            detail="a log-probability is never positive",
-        ),
-        Verdict(
-            "smoke",
-            "logp",
-            *roles,
-            *cells,
-            metric="active_tokens",
-            value=float(rows.numel()),
-            threshold=1.0,
-            passed=rows.numel() >= 1,
-            detail="the active set must not be empty",
-        ),
-    ]
+    outcomes = {  # metric -> (value, threshold, passed, detail)
+        "nonfinite_values": (float(nonfinite), 0.0, nonfinite == 0, "NaN/Inf among active logp and lse"),
+        "max_logp": (max_logp, 0.0, rows.numel() > 0 and max_logp <= 0.0, "a log-probability is never positive"),
+        "active_tokens": (float(rows.numel()), 1.0, rows.numel() >= 1, "the active set must not be empty"),
+    }
+    verdicts = []
+    for tensor, metric in SMOKE_ROWS:
+        value, threshold, passed, detail = outcomes[metric]
+        verdicts.append(Verdict("smoke", tensor, *roles, canonical.cell.name, NO_CELL, metric=metric, value=value,
+                                threshold=threshold, passed=passed, detail=detail))  # fmt: skip
+    return verdicts
 
 
 def provenance_verdict(
@@ -300,30 +283,142 @@ def check_expected(declarations: Iterable[ExpectedVerdictConfig]) -> None:
             raise ConfigError(f"expected_red judgment {declaration.judgment!r} is not one of {', '.join(JUDGMENTS)}")
 
 
+def declared(config: Mapping[str, Any]) -> list[ExpectedVerdictConfig]:
+    """Every expected-red declaration of a resolved run config: its profile's, then the sweep's."""
+    entries = [*config["profile"].get("expected_red", []), *config.get("expected_red", [])]
+    return [entry if isinstance(entry, ExpectedVerdictConfig) else ExpectedVerdictConfig(**entry) for entry in entries]
+
+
+def applies(declaration: ExpectedVerdictConfig, config: Mapping[str, Any]) -> bool:
+    """Whether a declaration's profile patterns and tp list select the run of ``config``."""
+    profile_matches = any(fnmatch.fnmatchcase(config["profile"]["name"], p) for p in declaration.profiles)
+    return profile_matches and (not declaration.tp or config["tp"] in declaration.tp)
+
+
 def expectations_for(config: Mapping[str, Any]) -> list[ExpectedVerdictConfig]:
-    """The expected-red declarations that apply to a resolved run config: its profile's and the sweep's."""
-    profile = config["profile"]
-    declared = [*profile.get("expected_red", []), *config.get("expected_red", [])]
-    out = []
-    for declaration in declared:
-        expected = (
-            declaration if isinstance(declaration, ExpectedVerdictConfig) else ExpectedVerdictConfig(**declaration)
-        )
-        profile_matches = any(fnmatch.fnmatchcase(profile["name"], pattern) for pattern in expected.profiles)
-        if profile_matches and (not expected.tp or config["tp"] in expected.tp):
-            out.append(expected)
-    return out
+    """The expected-red declarations that apply to a resolved run config."""
+    return [declaration for declaration in declared(config) if applies(declaration, config)]
+
+
+def declaration_rows(verdicts: Sequence[Verdict], config: Mapping[str, Any], *, standalone: bool) -> list[Verdict]:
+    """Red rows for the declarations a run can judge and that match none of its verdicts.
+
+    In a sweep the run judges the declarations of run judgments that apply to it; the gate judges the rest.
+    A run on its own is its whole sweep: every declaration must select it and match one of its verdicts.
+    """
+    scope = "this run"
+    rows = []
+    for declaration in declared(config) if standalone else expectations_for(config):
+        if not applies(declaration, config):
+            rows.append(replace(declaration_verdict(declaration, 0, scope), detail=f"{describe(declaration)} "
+                                "selects no run: its profiles/tp exclude this one"))  # fmt: skip
+        elif declaration.judgment in RUN_JUDGMENTS or standalone:
+            rows += unmatched_declarations(verdicts, [declaration], scope)
+    return rows
+
+
+def declares(declaration: ExpectedVerdictConfig, judgment: str, cell: str, tensor: str) -> bool:
+    """Whether a declaration covers a verdict row: its judgment, and a cell and tensor among its patterns."""
+    return (
+        declaration.judgment == judgment
+        and any(fnmatch.fnmatchcase(cell, pattern) for pattern in declaration.cells)
+        and any(fnmatch.fnmatchcase(tensor, pattern) for pattern in declaration.tensors)
+    )
 
 
 def apply_expected(verdicts: list[Verdict], declarations: Sequence[ExpectedVerdictConfig]) -> list[Verdict]:
     """expected_pass = False where a declaration matches judgment, cell and tensor (strict, per row)."""
     out = []
     for verdict in verdicts:
-        expected_red = any(
-            declaration.judgment == verdict.judgment
-            and any(fnmatch.fnmatchcase(verdict.lhs_cell, pattern) for pattern in declaration.cells)
-            and any(fnmatch.fnmatchcase(verdict.tensor, pattern) for pattern in declaration.tensors)
-            for declaration in declarations
-        )
+        expected_red = any(declares(d, verdict.judgment, verdict.lhs_cell, verdict.tensor) for d in declarations)
         out.append(replace(verdict, expected_pass=not expected_red))
     return out
+
+
+def describe(declaration: ExpectedVerdictConfig) -> str:
+    d = declaration
+    tp = f" tp={list(d.tp)}" if d.tp else ""
+    return (f"expected_red {{judgment: {d.judgment}, profiles: {list(d.profiles)}{tp}, cells: {list(d.cells)}, "
+            f"tensors: {list(d.tensors)}}} ({d.reason})")  # fmt: skip
+
+
+def declaration_verdict(declaration: ExpectedVerdictConfig, matched: int, scope: str) -> Verdict:
+    """A row about one declaration: red when it matched no verdict in ``scope`` (a negative control gone blind)."""
+    return Verdict(
+        DECLARATION,
+        declaration.judgment,
+        "declaration",
+        "verdicts",
+        NO_CELL,
+        NO_CELL,
+        metric="matched_verdicts",
+        value=float(matched),
+        threshold=1.0,
+        passed=matched >= 1,
+        detail=f"{describe(declaration)} matched {matched} verdict(s) of {scope}",
+    )
+
+
+def unmatched_declarations(
+    verdicts: Sequence[Verdict], declarations: Sequence[ExpectedVerdictConfig], scope: str
+) -> list[Verdict]:
+    """One red row per declaration that matches none of ``verdicts``."""
+    rows = []
+    for declaration in declarations:
+        matched = sum(declares(declaration, v.judgment, v.lhs_cell, v.tensor) for v in verdicts)
+        if not matched:
+            rows.append(declaration_verdict(declaration, 0, scope))
+    return rows
+
+
+def planned_verdicts(cells: Sequence[str], contract: Contract) -> list[Verdict]:
+    """The kernel verdicts a run over ``cells`` (canonical first) judges, as red placeholders without values."""
+    canonical = cells[0]
+
+    def row(judgment: str, tensor: str, roles: str, cell: str, rhs: str, metric: str = NOT_RUN) -> Verdict:
+        return Verdict(judgment, tensor, *contract.roles_for(roles), cell, rhs, metric=metric, value=math.nan,
+                       threshold=math.nan, passed=False)  # fmt: skip
+
+    planned = [
+        row("forward_accuracy", t, "forward_accuracy", cell, canonical) for cell in cells for t in FORWARD_TENSORS
+    ]
+    planned += [
+        row("forward_invariance", t, "decode_parity" if cell == DECODE_CELL else "forward_invariance", cell, canonical)
+        for cell in cells[1:]
+        for t in FORWARD_TENSORS
+    ]
+    planned += [
+        row("chain_aggregates", "logp", "chain_logprob_aggregates", canonical, canonical, m) for m in CHAIN_METRICS
+    ]
+    planned += [row("smoke", t, "forward_accuracy", canonical, NO_CELL, m) for t, m in SMOKE_ROWS]
+    return planned
+
+
+def plan_key(verdict: Verdict) -> tuple[str, str, str, str]:
+    """What identifies a planned verdict: chain and smoke rows are one per metric, the others one per cell."""
+    return (
+        verdict.judgment,
+        verdict.tensor,
+        verdict.lhs_cell,
+        verdict.metric if verdict.judgment in PER_METRIC else "",
+    )
+
+
+def not_run_verdicts(judged: Sequence[Verdict], planned: Sequence[Verdict], reason: str) -> list[Verdict]:
+    """Red rows for the planned verdicts that were not judged because ``reason`` stopped the kernels."""
+    done = {plan_key(verdict) for verdict in judged}
+    return [
+        replace(plan, metric=plan.metric if plan.judgment in PER_METRIC else NOT_RUN, detail=f"not run: {reason}")
+        for plan in planned
+        if plan_key(plan) not in done
+    ]
+
+
+def contract_needs(cells: Sequence[str], dtype: str, scope: str) -> tuple[list, list[str], list[str]]:
+    """(tolerance rows, role pairs, chain dtypes) a run over ``cells`` and the sweeps it joins will judge."""
+    judgments = ["forward_accuracy", "backend_parity"] + (["forward_invariance"] if len(cells) > 1 else [])
+    rows = [(judgment, "", tensor, dtype) for judgment in judgments for tensor in FORWARD_TENSORS]
+    rows += [("tp_invariance", scope, tensor, dtype) for tensor in FORWARD_TENSORS]
+    roles = [*judgments, "tp_invariance", "chain_logprob_aggregates"]
+    roles += ["decode_parity"] if DECODE_CELL in cells[1:] else []
+    return rows, roles, [dtype]

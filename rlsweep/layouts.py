@@ -1,4 +1,4 @@
-"""Layout cells: ways of feeding the same logical tokens to the kernels (SPEC §4.4).
+"""Layout cells: ways of feeding the same logical tokens to the kernels (docs/index.md).
 
 A cell is a list of calls; each call row names the logical row it computes (or pad/filler), so
 any cell's per-call outputs can be put back in logical order with ``restore_logical_order``.
@@ -13,7 +13,7 @@ import torch
 
 from rlsweep.config import LayoutConfig
 from rlsweep.errors import ConfigError
-from rlsweep.workload import Workload
+from rlsweep.workload import MAX_SEQ_LEN, Workload, WorkloadShape
 
 CANONICAL_CELL = "BN/packed"
 DECODE_CELL = "decode"
@@ -29,6 +29,7 @@ CELL_KINDS = (
     "needle",
 )
 NONE = -1  # a row that computes no logical token (pad), or a row that is not filler
+MAX_NEEDLE_ROWS = 1 << 24  # filler rows of one needle call: only rejects typos, the memory estimate decides the rest
 
 
 @dataclass(frozen=True)
@@ -165,18 +166,70 @@ def check_layout(layout: LayoutConfig) -> None:
             f"layout {layout.name!r}: the first cell must be the canonical {CANONICAL_CELL!r}, got {list(layout.cells)}"
         )
     if layout.chunk_size < 1:
-        raise ConfigError(f"layout.chunk_size must be >= 1, got {layout.chunk_size!r}")
+        raise ConfigError(f"layout.chunk_size must be >= 1, got {layout.chunk_size!r} (valid: 1 to {MAX_SEQ_LEN})")
+    if layout.chunk_size > MAX_SEQ_LEN:
+        raise ConfigError(
+            f"layout.chunk_size must be at most {MAX_SEQ_LEN} (the longest sample), got {layout.chunk_size!r}"
+        )
     if "needle" in layout.cells and not layout.needles:
         raise ConfigError(f"layout {layout.name!r} lists 'needle' cells but layout.needles is empty")
     for needle in layout.needles:
-        if needle.m < 1 or not 0 <= needle.pos <= needle.m:
-            raise ConfigError(f"layout.needles entry m={needle.m!r} pos={needle.pos!r}: need m >= 1 and 0 <= pos <= m")
+        if not 1 <= needle.m <= MAX_NEEDLE_ROWS or not 0 <= needle.pos <= needle.m:
+            raise ConfigError(
+                f"layout.needles entry m={needle.m!r} pos={needle.pos!r}: need 1 <= m <= {MAX_NEEDLE_ROWS} "
+                "and 0 <= pos <= m"
+            )
+    names = listed_cells(layout)
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ConfigError(f"layout {layout.name!r}: cells {repeated} appear more than once; each cell must be unique")
+
+
+def cell_names(layout: LayoutConfig) -> list[str]:
+    """The names of the cells ``plan_cells`` builds, in order, without building them."""
+    check_layout(layout)
+    return listed_cells(layout)
+
+
+def listed_cells(layout: LayoutConfig) -> list[str]:
+    return [
+        name
+        for kind in layout.cells
+        for name in ([needle_cell_name(n.m, n.pos) for n in layout.needles] if kind == "needle" else [kind])
+    ]
 
 
 def plan_cells(layout: LayoutConfig, workload: Workload) -> list[Cell]:
     """Every cell of the layout, canonical first."""
     check_layout(layout)
     return [cell for kind in layout.cells for cell in CELL_BUILDERS[kind](workload, layout)]
+
+
+def largest_calls(layout: LayoutConfig, shape: WorkloadShape) -> dict[str, int]:
+    """Cell name -> rows of its largest call, from the token counts alone (no cell is built).
+
+    Mirrors ``CELL_BUILDERS``; tests/test_input_bounds.py compares it with the calls ``plan_cells`` makes.
+    """
+    check_layout(layout)
+    lens, total = shape.seq_lens, shape.num_tokens
+    rows = {
+        "BN/packed": total,
+        "BN/pad_right": len(lens) * max(lens),
+        "BN/pad_left": len(lens) * max(lens),
+        "BN/permuted": total,
+        "BN/chunked": sum(min(layout.chunk_size, n) for n in lens),  # chunk 0 of every sample
+        "B1/full": max(lens),
+        "B1/chunked": min(layout.chunk_size, max(lens)),
+        "decode": max(total - shape.num_active, sum(a > 0 for a in shape.active_lens)),  # prefill or first step
+    }
+    assert set(rows) | {"needle"} == set(CELL_KINDS), "a new cell kind needs its largest call here"
+    rows |= {needle_cell_name(n.m, n.pos): total + n.m for n in layout.needles}
+    return {name: rows[name] for name in listed_cells(layout)}
+
+
+def filler_rows(layout: LayoutConfig) -> int:
+    """Filler rows the needle cells use (``filler_rows_needed`` of the planned cells), from the config alone."""
+    return max((n.m for n in layout.needles), default=0) if "needle" in layout.cells else 0
 
 
 def filler_rows_needed(cells: list[Cell]) -> int:

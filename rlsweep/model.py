@@ -6,16 +6,20 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from rlsweep.config import WEIGHT_SOURCES, ModelConfig
 from rlsweep.errors import ConfigError, ReplayInputError
 from rlsweep.synthetic import normal_matrix
+from rlsweep.tensor_files import TensorFile, TensorHeader
 
 GENERATION_ROWS = 8192  # synthetic weights are made in row blocks to bound memory on big heads
+# Bounds that only reject typos (real heads: hidden 2**11-2**14, vocab 3e4-3e5, tiles 256-1024); whether a head
+# that passes them fits is the memory estimate's call (rlsweep.execute.peak_bytes).
+MAX_HIDDEN_SIZE = 1 << 16
+MAX_VOCAB_SIZE = 1 << 24
+MAX_VOCAB_TILE = 1 << 14
 
 
 @dataclass(frozen=True)
@@ -47,16 +51,28 @@ def weight_sha256(weight: torch.Tensor) -> str:
 
 
 def check_geometry(model: ModelConfig) -> None:
-    for key in ("hidden_size", "vocab_size"):
+    """Sizes within bounds and a weight source that can be read; a weight file's header is checked, not loaded."""
+    for key, limit in (("hidden_size", MAX_HIDDEN_SIZE), ("vocab_size", MAX_VOCAB_SIZE)):
         value = getattr(model, key)
-        if value < 1:
-            raise ConfigError(f"model.{key} must be >= 1, got {value!r} (model {model.name!r})")
-    if model.padded_vocab_size is not None and model.padded_vocab_size < model.vocab_size:
+        if not 1 <= value <= limit:
+            raise ConfigError(f"model.{key}={value!r} is outside [1, {limit}] (model {model.name!r})")
+    padded = model.padded_vocab_size
+    if padded is not None and not model.vocab_size <= padded <= MAX_VOCAB_SIZE:
         raise ConfigError(
-            f"model.padded_vocab_size={model.padded_vocab_size!r} is smaller than vocab_size={model.vocab_size}"
+            f"model.padded_vocab_size={padded!r} is outside [vocab_size={model.vocab_size}, {MAX_VOCAB_SIZE}]"
         )
     if model.weights.kind not in WEIGHT_SOURCES:
         raise ConfigError(f"model.weights.kind={model.weights.kind!r} is not one of {', '.join(WEIGHT_SOURCES)}")
+    if model.weights.kind == "file":
+        weight_header(model)
+
+
+def check_vocab_tile(vocab_tile: int) -> None:
+    """The upper bound of ``profile.vocab_tile``; the kernels check that it is a power of two >= 16."""
+    if vocab_tile > MAX_VOCAB_TILE:
+        raise ConfigError(
+            f"profile.vocab_tile={vocab_tile!r} is above {MAX_VOCAB_TILE} (a power of two in [16, {MAX_VOCAB_TILE}])"
+        )
 
 
 def build_lm_head(model: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> LmHead:
@@ -80,31 +96,43 @@ def synthetic_weight(model: ModelConfig, *, dtype: torch.dtype, device: torch.de
     return torch.cat(blocks)
 
 
+def weight_file(model: ModelConfig) -> TensorFile:
+    if not model.weights.path:
+        raise ConfigError("model.weights.kind=file needs model.weights.path (a local .safetensors file)")
+    return TensorFile(str(model.weights.path), "weight file", "model.weights.path")
+
+
+def weight_header(model: ModelConfig) -> TensorHeader:
+    """The head tensor's header: present, floating, [V, H] (or [padded V, H]); nothing is loaded."""
+    source, file = model.weights, weight_file(model)
+    headers = file.headers()
+    if source.tensor not in headers:
+        raise ReplayInputError(
+            f"{file.describe()} has no tensor {source.tensor!r} (model.weights.tensor); it holds {sorted(headers)[:20]}"
+        )
+    head = headers[source.tensor]
+    allowed_rows = {model.vocab_size, model.padded_vocab_size or model.vocab_size}
+    if len(head.shape) != 2 or head.shape[1] != model.hidden_size or head.shape[0] not in allowed_rows:
+        raise ReplayInputError(
+            f"{source.tensor} in {file.describe()} has shape {list(head.shape)}; model {model.name!r} needs "
+            f"[{model.vocab_size}, {model.hidden_size}]"
+            + (f" or [{model.padded_vocab_size}, {model.hidden_size}]" * bool(model.padded_vocab_size))
+        )
+    if not head.is_floating:
+        raise ReplayInputError(
+            f"{source.tensor} in {file.describe()} has dtype {head.stored}; a floating dtype is needed"
+        )
+    return head
+
+
 def file_weight(model: ModelConfig, *, dtype: torch.dtype) -> torch.Tensor:
     """``lm_head.weight`` [V, H] (or [padded V, H], trimmed) from a safetensors file, cast to ``dtype``."""
-    source = model.weights
-    if not source.path:
-        raise ConfigError("model.weights.kind=file needs model.weights.path (a local .safetensors file)")
-    path = Path(source.path)
-    if not path.is_file():
-        raise ReplayInputError(f"weight file {str(path)!r} does not exist (model.weights.path)")
-    with safe_open(str(path), framework="pt") as handle:
-        names = list(handle.keys())
-        if source.tensor not in names:
-            raise ReplayInputError(f"weight file {str(path)!r} has no tensor {source.tensor!r}; it holds {names[:20]}")
-        weight = handle.get_tensor(source.tensor)
-    allowed_rows = {model.vocab_size, model.padded_vocab_size or model.vocab_size}
-    if weight.dim() != 2 or weight.shape[1] != model.hidden_size or weight.shape[0] not in allowed_rows:
-        raise ReplayInputError(
-            f"{source.tensor} in {str(path)!r} has shape {tuple(weight.shape)}; model {model.name!r} needs "
-            f"[{model.vocab_size}, {model.hidden_size}]"
-            + (f" or [{model.padded_vocab_size}, ...]" * bool(model.padded_vocab_size))
-        )
-    if not weight.is_floating_point():
-        raise ReplayInputError(f"{source.tensor} in {str(path)!r} has dtype {weight.dtype}; a floating dtype is needed")
+    weight_header(model)
+    source, file = model.weights, weight_file(model)
+    weight = file.load([source.tensor])[source.tensor]
     finite = torch.isfinite(weight)
     if not bool(finite.all()):
         index = tuple(int(i) for i in (~finite).nonzero()[0])
-        raise ReplayInputError(f"{source.tensor} in {str(path)!r} holds {weight[index].item()} at index {index}")
+        raise ReplayInputError(f"{source.tensor} in {file.describe()} holds {weight[index].item()} at index {index}")
     # Padded checkpoint rows are never real tokens: the kernels pad the vocab themselves.
     return weight[: model.vocab_size].to(dtype).contiguous()

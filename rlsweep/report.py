@@ -1,9 +1,9 @@
-"""``python -m rlsweep.report DIR``: a Markdown and a self-contained HTML report with plots (SPEC §4.12).
+"""``python -m rlsweep.report DIR``: a Markdown and a self-contained HTML report with plots (docs/analysis.md).
 
 Runs the sweep gate over the tables under DIR (nothing is written into DIR unless it is the output) and
 writes, into DIR or ``--out``: ``report.md``, ``report.html`` (plots embedded as base64 data URIs) and the
-PNG plots. Exit codes follow the gate: 0 every verdict as expected, 2 some verdict not as expected,
-1 a job left no complete tables, DIR holds no tables or cannot be read, or the output cannot be written.
+PNG plots. The exit code is the gate's (``rlsweep.exitcodes.ExitCode``, docs/sweeps.md); a report that
+cannot be made is ERROR.
 """
 
 from __future__ import annotations
@@ -20,11 +20,14 @@ import pandas as pd
 
 from rlsweep import analysis, plots
 from rlsweep.check import console_summary
-from rlsweep.errors import RlsweepError, TablesNotFoundError
+from rlsweep.errors import TablesNotFoundError
+from rlsweep.exitcodes import ExitCode, guarded
 from rlsweep.gate import GateResult, run_gate
 from rlsweep.layouts import CANONICAL_CELL
+from rlsweep.locks import locked
 from rlsweep.tables import write_tables
 
+PROG = "python -m rlsweep.report"
 REPORT_MARKDOWN = "report.md"
 REPORT_HTML = "report.html"
 HEATMAP_PNG = "dlogp_heatmap.png"
@@ -34,8 +37,7 @@ RED, RED_EXPECTED_RED, EXPECTED_RED = "RED", "RED (declared red, passed)", "expe
 FIRST_DIVERGENCE = "first (sample, pos)"
 RED_COLUMNS = ["status", "profile", "tp", "judgment", "tensor", "lhs_cell", "rhs_cell", "metric", "value", "threshold"]
 RED_COLUMNS += [FIRST_DIVERGENCE, "run_dir"]
-GATE_WORDS = {0: "GREEN", 1: "CRASHED JOB", 2: "RED"}
-RED_WORDS = (GATE_WORDS[1], GATE_WORDS[2])
+RED_WORDS = tuple(code.word for code in ExitCode if code != ExitCode.GREEN)
 
 
 @dataclass
@@ -91,14 +93,14 @@ def build_sections(root: Path, result: GateResult, tokens: pd.DataFrame, checks:
     red["run_dir"] = relative(red["run_dir"], root)
     red[["value", "threshold"]] = red[["value", "threshold"]].map("{:.4g}".format)
     unexpected = int((red["status"] != EXPECTED_RED).sum())
-    gate = GATE_WORDS[result.exit_code]
     status = (
-        f"Gate: **{gate}** (exit code {result.exit_code}). {len(result.runs)} runs, {len(checks)} verdicts "
+        f"Gate: **{result.exit_code.word}** (exit code {int(result.exit_code)}). {len(result.runs)} runs, "
+        f"{len(result.incomplete)} missing or incomplete, {len(checks)} verdicts "
         f"({int((checks['level'] == analysis.SWEEP_LEVEL).sum())} across runs), {unexpected} not as expected, "
         f"{int((red['status'] == EXPECTED_RED).sum())} failed as declared (expected red)."
     )
     return [
-        Section("Gate", [status, *result.notes]),
+        Section("Gate", [status, *[f"INCOMPLETE {line}" for line in result.incomplete], *result.notes]),
         Section("Runs", ["Verdict counts per run; run dirs relative to the report's input."], runs),
         Section(
             "Verdicts by profile, model, tp and judgment",
@@ -200,11 +202,15 @@ def write_report(root: Path, out: Path, result: GateResult) -> list[Path]:
         & (checks["lhs_cell"] == CANONICAL_CELL)
     ]
     atol = accuracy_rows.groupby("profile", observed=True)["threshold"].max().to_dict()
-    images = {
-        HEATMAP_PNG: plots.png_bytes(plots.heatmap(analysis.dlogp_vs_canonical(tokens))),
-        HISTOGRAM_PNG: plots.png_bytes(plots.histograms(analysis.dlogp_vs_reference(tokens), atol)),
-    }
+    images = {}
+    if len(tokens):  # without tokens (provenance stopped every kernel) there is nothing to plot, only verdicts
+        images[HEATMAP_PNG] = plots.png_bytes(plots.heatmap(analysis.dlogp_vs_canonical(tokens)))
+        images[HISTOGRAM_PNG] = plots.png_bytes(plots.histograms(analysis.dlogp_vs_reference(tokens), atol))
     sections = build_sections(root, result, tokens, checks)
+    for section in sections:
+        if section.image is not None and section.image not in images:
+            section.paragraphs.append("No plot: no run computed a token (provenance stopped every kernel).")
+            section.image = None
     title = f"rlsweep report: {root}"
     out.mkdir(parents=True, exist_ok=True)
     text = {REPORT_MARKDOWN: render_markdown(title, sections), REPORT_HTML: render_html(title, sections, images)}
@@ -213,21 +219,22 @@ def write_report(root: Path, out: Path, result: GateResult) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rlsweep.report", description=__doc__.splitlines()[0])
-    parser.add_argument("directory", type=Path, help="a run dir, a sweep dir or a whole outputs/ tree")
-    parser.add_argument("--out", type=Path, default=None, help="where to write the report (default: DIRECTORY)")
-    args = parser.parse_args(argv)
-    try:
+    def command() -> ExitCode:
+        parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+        parser.add_argument("directory", type=Path, help="a run dir, a sweep dir or a whole outputs/ tree")
+        parser.add_argument("--out", type=Path, default=None, help="where to write the report (default: DIRECTORY)")
+        args = parser.parse_args(argv)
         result = run_gate(args.directory)
         if not result.runs:
-            raise TablesNotFoundError(f"no complete run under {str(args.directory)!r}: {result.notes}")
-        written = write_report(args.directory, args.out or args.directory, result)
-    except (RlsweepError, OSError) as err:
-        print(f"rlsweep.report: error: {err}", file=sys.stderr)
-        return 1
-    print(console_summary(result))
-    print("report: " + ", ".join(str(path) for path in written))
-    return result.exit_code
+            raise TablesNotFoundError(f"no complete run under {str(args.directory)!r}: {'; '.join(result.incomplete)}")
+        out = args.out or args.directory
+        with locked(out):
+            written = write_report(args.directory, out, result)
+        print(console_summary(result))
+        print("report: " + ", ".join(str(path) for path in written))
+        return result.exit_code
+
+    return int(guarded(PROG, command))
 
 
 if __name__ == "__main__":

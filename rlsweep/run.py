@@ -1,9 +1,8 @@
-"""One run: config -> workload -> layout cells -> kernel calls -> judgments -> tables."""
+"""One run: config -> workload -> layout cells -> kernel calls -> judgments -> tables (the manifest: rlsweep.job)."""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -18,26 +17,33 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import kernels
-from rlsweep.config import DEVICES
+from rlsweep.config import DEVICES, check_complete
 from rlsweep.contract import DETERMINISM_SCOPES, Contract, contract_from_mapping
-from rlsweep.environment import environment
+from rlsweep.environment import available_memory, environment
 from rlsweep.errors import ConfigError
-from rlsweep.execute import CellResult, Filler, run_cell, run_reference
+from rlsweep.execute import CellResult, Filler, check_fits, peak_bytes, run_cell, run_reference
+from rlsweep.exitcodes import ExitCode
 from rlsweep.judgments import (
     Verdict,
     apply_expected,
     chain_aggregates,
     check_expected,
+    contract_needs,
     contract_verdict,
+    declaration_rows,
     expectations_for,
     forward_accuracy,
     forward_invariance,
+    not_run_verdicts,
+    planned_verdicts,
     provenance_verdict,
     smoke,
     weight_pin_verdict,
 )
-from rlsweep.layouts import check_layout, filler_rows_needed, plan_cells
-from rlsweep.model import build_lm_head, check_geometry, config_fingerprint
+from rlsweep.layouts import cell_names, filler_rows_needed, plan_cells
+from rlsweep.manifest import RunIdentity
+from rlsweep.model import build_lm_head, check_geometry, check_vocab_tile, config_fingerprint
+from rlsweep.synthetic import check_seed
 from rlsweep.tables import (
     CHECKS_SCHEMA,
     CHECKS_TABLE,
@@ -48,7 +54,7 @@ from rlsweep.tables import (
     with_metadata,
     write_tables,
 )
-from rlsweep.workload import build_workload
+from rlsweep.workload import build_workload, workload_shape
 
 log = logging.getLogger(__name__)
 EXECUTION_DTYPES = {kernels.dtype_name(dtype): dtype for dtype in kernels.EXECUTION_DTYPES}
@@ -65,13 +71,14 @@ class RunOutcome:
         return [verdict for verdict in self.verdicts if not verdict.as_expected]
 
     @property
-    def exit_code(self) -> int:
-        """0 when every verdict is as expected, 2 otherwise (SPEC §2)."""
-        return 2 if self.unexpected else 0
+    def exit_code(self) -> ExitCode:
+        """GREEN when every verdict is as expected, RED otherwise."""
+        return ExitCode.RED if self.unexpected else ExitCode.GREEN
 
 
 def validate(cfg: DictConfig) -> None:
     """Everything that can be rejected before any tensor is made, with the offending value named."""
+    check_complete(cfg)
     profile = cfg.profile
     if cfg.tp < 1:
         raise ConfigError(f"tp must be an integer >= 1, got {cfg.tp!r}")
@@ -97,9 +104,23 @@ def validate(cfg: DictConfig) -> None:
             f"op nodes among {list(kernels.OP_NODES)}"
         )
     check_expected([*profile.expected_red, *cfg.expected_red])
-    check_layout(cfg.layout)
+    check_seed(cfg.seed, "seed")
+    check_seed(cfg.model.weights.seed, "model.weights.seed")
     check_geometry(cfg.model)
+    check_vocab_tile(profile.vocab_tile)
     check_tp_geometry(cfg.model.vocab_size, profile.vocab_tile, cfg.tp)
+    shape = workload_shape(cfg.workload, cfg.model)
+    footprint = peak_bytes(
+        cfg.model,
+        cfg.layout,
+        shape,
+        dtype=EXECUTION_DTYPES[profile.execution_dtype],
+        vocab_tile=profile.vocab_tile,
+        tp=cfg.tp,
+        tp_mode=cfg.tp_mode,
+        synthetic_workload=cfg.workload.source == "synthetic",
+    )
+    check_fits(footprint, profile.device, available_memory(profile.device))
 
 
 def check_tp_geometry(vocab_size: int, vocab_tile: int, tp: int) -> None:
@@ -107,9 +128,11 @@ def check_tp_geometry(vocab_size: int, vocab_tile: int, tp: int) -> None:
     padded = kernels.padded_vocab_size(vocab_size, vocab_tile, tp)
     width = padded // tp
     if (tp - 1) * width >= vocab_size:
+        # A rank owns whole tiles, so no tp above the number of tiles holding real columns can be served.
+        tiles = -(-vocab_size // vocab_tile)
         largest = max(
             t
-            for t in range(1, tp)
+            for t in range(1, min(tp, tiles + 1))
             if (t - 1) * (kernels.padded_vocab_size(vocab_size, vocab_tile, t) // t) < vocab_size
         )
         raise ConfigError(
@@ -124,11 +147,6 @@ def check_distributed_devices(cfg: DictConfig) -> None:
             f"tp_mode=distributed with tp={cfg.tp} needs {cfg.tp} GPUs (one rank each); "
             f"this machine has {torch.cuda.device_count()}"
         )
-
-
-def run_id_of(config: dict[str, Any]) -> str:
-    """Stable id of a resolved config: a re-run of the same config has the same id."""
-    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def choose_triton_mode() -> None:
@@ -149,17 +167,23 @@ def prepare_backend(profile: DictConfig) -> None:
         warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
 
 
-def execute(cfg: DictConfig, directory: Path) -> RunOutcome:
-    """Run every cell of the layout, judge, write both tables; bad input raises RlsweepError/KernelInputError."""
+def execute(cfg: DictConfig, directory: Path, identity: RunIdentity, *, standalone: bool) -> RunOutcome:
+    """Run every cell of the layout, judge, write both tables; bad input raises RlsweepError/KernelInputError.
+
+    Everything that needs only the config (the contract's rows included) is checked before any kernel runs.
+    ``standalone``: the run is not a sweep's job, so it judges every declaration itself.
+    """
     started = datetime.now(timezone.utc).isoformat()
     config = OmegaConf.to_container(cfg, resolve=True)
     contract = contract_from_mapping(config["contract"], source=f"contract {cfg.contract.version}")
     validate(cfg)
-    check_writable(directory)
     profile = cfg.profile
+    cells = cell_names(cfg.layout)
+    contract.require(*contract_needs(cells, profile.execution_dtype, profile.determinism_scope))
+    check_writable(directory)
     required = dict(profile.required_nodes)
     run = {
-        "run_id": run_id_of(config),
+        "run_id": identity.run_id,
         "profile": profile.name,
         "backend_family": profile.backend_family,
         "device": profile.device,
@@ -177,29 +201,36 @@ def execute(cfg: DictConfig, directory: Path) -> RunOutcome:
     results: list[CellResult] = []
     reference = None
     workload = None
+    stopped = ""  # why provenance stopped the kernels, if it did
     if profile.device == "cuda" and not torch.cuda.is_available():
-        why = (
+        stopped = (
             f"profile {profile.name!r} requires device 'cuda' but torch.cuda.is_available() is False here "
             f"(torch {torch.__version__}); observed device: cpu; nothing ran, no fallback"
         )
-        verdicts.append(provenance_verdict("", required, [], profile.backend_family, error=why))
+        verdicts.append(provenance_verdict("", required, [], profile.backend_family, error=stopped))
     else:
         check_distributed_devices(cfg)
         prepare_backend(profile)
         try:
             op = dispatch(cfg)
         except kernels.LogprobDispatchError as err:
-            verdicts.append(provenance_verdict("", required, [], profile.backend_family, error=str(err)))
+            stopped = str(err)
+            verdicts.append(provenance_verdict("", required, [], profile.backend_family, error=stopped))
         else:
             observed["dispatch"] = op.to_dict()
-            results, reference, workload = compute(cfg, op, run, verdicts, observed)
-            verdicts += judge(results, reference, workload, contract, profile.execution_dtype)
+            results, reference, workload, stopped = compute(cfg, op, run, verdicts, observed)
+    judged = judge(results, reference, workload, contract, profile.execution_dtype)
+    verdicts += judged
+    if stopped:
+        verdicts += not_run_verdicts(judged, planned_verdicts(cells, contract), "provenance stopped the kernels")
     verdicts = apply_expected(verdicts, expectations_for(config))
+    verdicts += declaration_rows(verdicts, config, standalone=standalone)
     metadata = {
         "config": config,
         "contract": dict(contract.document),
         "observed_provenance": observed,
         "environment": environment(profile.device),
+        "identity": {"content_sha256": identity.content_sha256, "inputs": dict(identity.inputs)},
         "started": started,
         "finished": datetime.now(timezone.utc).isoformat(),
     }
@@ -228,8 +259,11 @@ def dispatch(cfg: DictConfig) -> kernels.LogprobOp:
 
 def compute(
     cfg: DictConfig, op: kernels.LogprobOp, run: dict[str, Any], verdicts: list[Verdict], observed: dict[str, Any]
-) -> tuple[list[CellResult], CellResult, Any]:
-    """Head, workload, the reference and every cell through ``op``; provenance verdicts appended as they come."""
+) -> tuple[list[CellResult], CellResult, Any, str]:
+    """Head, workload, the reference and every cell through ``op``; provenance verdicts appended as they come.
+
+    Returns the cells' results, the reference, the workload and why provenance stopped the cells ("" if not).
+    """
     profile = cfg.profile
     required = dict(profile.required_nodes)
     dtype = EXECUTION_DTYPES[profile.execution_dtype]
@@ -243,6 +277,7 @@ def compute(
     observed["reference"] = unique_provenance(reference)
     candidate = partial(op, tp_mode=cfg.tp_mode)
     results = []
+    stopped = ""
     # Distributed ranks are spawned once per run and serve every call of every cell.
     ranks = (
         kernels.distributed_ranks(profile.backend_family, cfg.tp, profile.vocab_tile, profile.device)
@@ -255,18 +290,19 @@ def compute(
             try:
                 results.append(run_cell(cell, workload, head.weight, filler, candidate))
             except kernels.BackendUnavailableError as err:
-                verdicts.append(provenance_verdict(cell.name, required, [], profile.backend_family, error=str(err)))
+                stopped = str(err)
+                verdicts.append(provenance_verdict(cell.name, required, [], profile.backend_family, error=stopped))
                 break
             except kernels.ProvenanceMismatchError as err:
-                observed_calls = [err.observed]
+                stopped = str(err)
                 verdicts.append(
-                    provenance_verdict(cell.name, required, observed_calls, profile.backend_family, error=str(err))
+                    provenance_verdict(cell.name, required, [err.observed], profile.backend_family, error=stopped)
                 )
                 break
     for result in results:
         observed[result.cell.name] = unique_provenance(result)
         verdicts.append(provenance_verdict(result.cell.name, required, result.provenance, profile.backend_family))
-    return results, reference, workload
+    return results, reference, workload, stopped
 
 
 def judge(results: list[CellResult], reference: CellResult, workload, contract: Contract, dtype: str) -> list[Verdict]:

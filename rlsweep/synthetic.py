@@ -10,10 +10,17 @@ import math
 
 import torch
 
+from rlsweep.errors import ConfigError
+
 # Streams keep unrelated quantities uncorrelated even under the same seed.
 STREAMS = {"weight": 1, "hidden": 2, "filler_hidden": 3, "target": 4, "filler_target": 5}
+STREAM_BITS = 8  # a stream's key is seed * 2**STREAM_BITS + stream id, taken modulo 2**64
+assert max(STREAMS.values()) < 1 << STREAM_BITS
+# Seeds that differ by a multiple of 2**56 share a key (seed -1 is seed 2**56 - 1): only [0, SEED_LIMIT) are distinct.
+SEED_LIMIT = 1 << (64 - STREAM_BITS)
 MASK64 = (1 << 64) - 1
 UNIFORMS_PER_NORMAL = 4  # Irwin-Hall: the sum of 4 uniforms has std sqrt(4/12)
+NORMAL_WORKING_ARRAYS = 5  # normal_matrix holds up to 5 int64/float64 [R, C] temporaries at once (measured)
 
 
 def signed64(value: int) -> int:
@@ -39,9 +46,19 @@ def splitmix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ shift_right(x, 31)
 
 
+def check_seed(seed: int, key: str) -> None:
+    """``seed`` must be an integer in [0, SEED_LIMIT): outside it, two seeds share one stream key."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise ConfigError(
+            f"{key}={seed!r} is outside the seeds that give distinct streams: an integer in "
+            f"[0, 2**{64 - STREAM_BITS} - 1] (0 to {SEED_LIMIT - 1}); larger or negative seeds alias one in that range"
+        )
+
+
 def counter_bits(seed: int, stream: str, rows: torch.Tensor, cols: torch.Tensor, draw: int = 0) -> torch.Tensor:
     """64 random bits per (row, col): rows[R, 1] and cols[1, C] broadcast to [R, C] int64."""
-    key = splitmix64(torch.tensor(signed64(seed * 0x100 + STREAMS[stream]), dtype=torch.int64, device=rows.device))
+    stream_key = seed * (1 << STREAM_BITS) + STREAMS[stream]
+    key = splitmix64(torch.tensor(signed64(stream_key), dtype=torch.int64, device=rows.device))
     x = key + rows * signed64(0x1000003 * GOLDEN) + cols * GOLDEN + draw * signed64(0xD6E8FEB86659FD93)
     return splitmix64(splitmix64(x))
 
@@ -63,3 +80,8 @@ def normal_matrix(
     """[len(row_ids), width] normals times ``scale`` in ``dtype``, on row_ids' device."""
     cols = torch.arange(width, dtype=torch.int64, device=row_ids.device)[None, :]
     return (standard_normal(seed, stream, row_ids.to(torch.int64)[:, None], cols) * scale).to(dtype)
+
+
+def normal_matrix_bytes(rows: int, width: int) -> int:
+    """Peak working bytes of ``normal_matrix`` for [rows, width], its result excluded."""
+    return NORMAL_WORKING_ARRAYS * rows * width * 8

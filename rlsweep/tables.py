@@ -1,7 +1,8 @@
-"""Parquet tables of one run (SPEC §4.10), written atomically, with the run's JSON metadata.
+"""Parquet tables of one run (docs/tables.md), written atomically, with the run's JSON metadata.
 
-A run directory is complete when both tables exist: they are written to temporary files in the
-same folder and renamed only after both were written, checks last (``run_is_complete``).
+Each file is written to a temporary file in the same folder and renamed into place, so no reader sees
+half a table; the run's manifest (``rlsweep.manifest``), written after both, makes them valid together.
+Reading checks each table against its schema, so a column of the wrong type is an error, not a verdict.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlsweep.errors import OutputDirError
+from rlsweep.errors import OutputDirError, TablesNotFoundError
 
 TOKENS_TABLE = "tokens.parquet"
 CHECKS_TABLE = "checks.parquet"
-RUN_TABLES = (TOKENS_TABLE, CHECKS_TABLE)  # written in this order; checks present => run complete
+RUN_TABLES = (TOKENS_TABLE, CHECKS_TABLE)  # a run's tables; its manifest names both
 METADATA_KEY = b"rlsweep"
 
 RUN_COLUMNS = pa.schema(
@@ -138,19 +139,32 @@ def current_umask() -> int:
     return mask
 
 
-def run_is_complete(directory: str | os.PathLike[str]) -> bool:
-    """True when both tables of a run are present (the rename order makes this safe to trust)."""
-    return all((Path(directory) / name).is_file() for name in RUN_TABLES)
+class TableError(TablesNotFoundError):
+    """A table that cannot be read, or whose columns are not the schema's."""
 
 
-def completed_run_id(directory: str | os.PathLike[str]) -> str | None:
-    """The run_id of the complete run in ``directory``, or None (resume skips a job only when they match)."""
-    if not run_is_complete(directory):
-        return None
-    run_ids = pq.read_table(Path(directory) / CHECKS_TABLE, columns=["run_id"]).column("run_id").unique()
-    return str(run_ids[0]) if len(run_ids) == 1 else None
+def read_table(path: str | os.PathLike[str], schema: pa.Schema) -> pa.Table:
+    """Read a table and check it has exactly ``schema``'s columns and types (metadata aside)."""
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as err:
+        raise TableError(f"{str(path)!r} cannot be read as Parquet: {' '.join(str(err).split())}") from err
+    if table.schema.remove_metadata() != schema:
+        wrong = [
+            f"{field.name}: {table.schema.field(field.name).type if field.name in table.schema.names else 'missing'}"
+            f" (expected {field.type})"
+            for field in schema
+            if field.name not in table.schema.names or table.schema.field(field.name).type != field.type
+        ]
+        extra = sorted(set(table.schema.names) - set(schema.names))
+        raise TableError(f"{str(path)!r} does not have the rlsweep schema: {', '.join(wrong) or ''}"
+                         f"{' extra columns ' + ', '.join(extra) if extra else ''}")  # fmt: skip
+    return table
 
 
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The ``rlsweep`` JSON metadata of one table."""
-    return json.loads(pq.read_schema(path).metadata[METADATA_KEY])
+    try:
+        return json.loads((pq.read_schema(path).metadata or {})[METADATA_KEY])
+    except (OSError, pa.ArrowException, KeyError, ValueError) as err:
+        raise TableError(f"{str(path)!r} has no readable rlsweep metadata: {' '.join(str(err).split())}") from err

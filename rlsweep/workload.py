@@ -3,19 +3,35 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 import kernels
 from rlsweep.config import WORKLOAD_SOURCES, ModelConfig, WorkloadConfig
 from rlsweep.errors import ConfigError, ReplayInputError
 from rlsweep.synthetic import normal_matrix, uniform
+from rlsweep.tensor_files import TensorFile
 
 POSITION_BITS = 24  # counter key of a token: sample_id << POSITION_BITS | position
+MAX_SEQ_LEN = 1 << POSITION_BITS  # a longer sample's positions would spill into the next sample's keys
 REPLAY_TENSORS = ("hidden_states", "target_ids", "seq_lens")
 REPLAY_OPTIONAL = ("active_mask",)
+
+
+@dataclass(frozen=True)
+class WorkloadShape:
+    """Token counts of a workload, known before any tensor is made: per sample, all tokens and the active ones."""
+
+    seq_lens: tuple[int, ...]
+    active_lens: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.seq_lens)
+
+    @property
+    def num_active(self) -> int:
+        return sum(self.active_lens)
 
 
 @dataclass(frozen=True)
@@ -58,10 +74,9 @@ class Workload:
 def build_workload(
     config: WorkloadConfig, model: ModelConfig, weight: torch.Tensor, *, seed: int, dtype: torch.dtype
 ) -> Workload:
-    if config.source not in WORKLOAD_SOURCES:
-        raise ConfigError(f"workload.source={config.source!r} is not one of {', '.join(WORKLOAD_SOURCES)}")
+    shape = workload_shape(config, model)  # every count checked before a tensor is made
     if config.source == "replay":
-        return replay_workload(config, model, device=weight.device, seed=seed, dtype=dtype)
+        return replay_workload(config, model, shape, device=weight.device, seed=seed, dtype=dtype)
     return synthetic_workload(config, weight, seed=seed, dtype=dtype)
 
 
@@ -71,7 +86,6 @@ def token_keys(sample_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tenso
 
 def synthetic_workload(config: WorkloadConfig, weight: torch.Tensor, *, seed: int, dtype: torch.dtype) -> Workload:
     """Hidden states from (seed, sample_id, position); completion targets sampled from the model itself."""
-    check_lengths(config)
     sample_ids = torch.cat([torch.full((n,), s, dtype=torch.int64) for s, n in enumerate(config.seq_lens)])
     positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in config.seq_lens])
     active = torch.cat([torch.arange(n) >= p for n, p in zip(config.seq_lens, config.prompt_lens, strict=True)])
@@ -93,47 +107,104 @@ def sample_targets(hidden: torch.Tensor, weight: torch.Tensor, keys: torch.Tenso
     return picked.clamp_max(weight.shape[0] - 1)
 
 
+def workload_shape(config: WorkloadConfig, model: ModelConfig) -> WorkloadShape:
+    """The workload's token counts, checked: T >= 1 and at least one active token (a replay file: header only)."""
+    if config.source not in WORKLOAD_SOURCES:
+        raise ConfigError(f"workload.source={config.source!r} is not one of {', '.join(WORKLOAD_SOURCES)}")
+    if config.source == "replay":
+        return replay_shape(config, model)
+    check_lengths(config)
+    return WorkloadShape(
+        tuple(config.seq_lens), tuple(n - p for n, p in zip(config.seq_lens, config.prompt_lens, strict=True))
+    )
+
+
 def check_lengths(config: WorkloadConfig) -> None:
     seq, prompt = list(config.seq_lens), list(config.prompt_lens)
-    if not seq or len(seq) != len(prompt):
+    if not seq:
         raise ConfigError(
-            f"workload {config.name!r}: seq_lens {seq} and prompt_lens {prompt} must be non-empty and of one length"
+            f"workload {config.name!r} has no token (T = 0): workload.seq_lens is empty; give at least one sample, "
+            "e.g. workload.seq_lens=[16] workload.prompt_lens=[8]"
+        )
+    if len(seq) != len(prompt):
+        raise ConfigError(
+            f"workload {config.name!r}: seq_lens {seq} and prompt_lens {prompt} must have one entry per sample "
+            f"({len(seq)} vs {len(prompt)})"
         )
     for sample, (n, p) in enumerate(zip(seq, prompt, strict=True)):
-        if n < 1 or not 0 <= p < n:
+        if not 1 <= n <= MAX_SEQ_LEN or not 0 <= p < n:
             raise ConfigError(
-                f"workload {config.name!r}: sample {sample} has seq_len={n}, prompt_len={p}; "
-                "need seq_len >= 1 and 0 <= prompt_len < seq_len (at least one completion token)"
+                f"workload {config.name!r}: sample {sample} has seq_len={n}, prompt_len={p}; need "
+                f"1 <= seq_len <= {MAX_SEQ_LEN} and 0 <= prompt_len < seq_len (at least one active completion token)"
             )
+
+
+def replay_file(config: WorkloadConfig) -> TensorFile:
+    if not config.path:
+        raise ConfigError("workload=replay needs workload.path (a local .safetensors file)")
+    return TensorFile(str(config.path), "replay file", "workload.path")
+
+
+def replay_shape(config: WorkloadConfig, model: ModelConfig) -> WorkloadShape:
+    """Every replay tensor's dtype and shape from the header; only ``seq_lens`` and ``active_mask`` are loaded."""
+    file = replay_file(config)
+    where = file.describe()
+    headers = file.headers()
+    missing = [name for name in REPLAY_TENSORS if name not in headers]
+    if missing:
+        raise ReplayInputError(
+            f"{where} is missing {missing}; it must hold {list(REPLAY_TENSORS)} "
+            f"and optionally {list(REPLAY_OPTIONAL)}, found {sorted(headers)}"
+        )
+    hidden = headers["hidden_states"]
+    if len(hidden.shape) != 2 or hidden.shape[1] != model.hidden_size or not hidden.is_floating:
+        raise ReplayInputError(
+            f"{where}: hidden_states must be a floating [T, {model.hidden_size}] tensor (model.hidden_size), "
+            f"got {hidden.describe()}"
+        )
+    rows = hidden.shape[0]
+    if rows == 0:
+        raise ReplayInputError(f"{where}: hidden_states has no row (T = 0): there is no token to compute")
+    for name in ("target_ids", "seq_lens"):
+        if headers[name].dtype != torch.int64 or len(headers[name].shape) != 1:
+            raise ReplayInputError(f"{where}: {name} must be a 1-D int64 tensor, got {headers[name].describe()}")
+    if headers["target_ids"].shape[0] != rows:
+        raise ReplayInputError(
+            f"{where}: target_ids has {headers['target_ids'].shape[0]} rows but hidden_states has {rows}"
+        )
+    if headers["seq_lens"].shape[0] > rows:
+        raise ReplayInputError(
+            f"{where}: seq_lens has {headers['seq_lens'].shape[0]} samples for T={rows} tokens (each needs one)"
+        )
+    active = headers.get("active_mask")
+    if active is not None and (active.dtype != torch.bool or active.shape != (rows,)):
+        raise ReplayInputError(f"{where}: active_mask must be bool [{rows}], got {active.describe()}")
+    small = file.load([name for name in ("seq_lens", *REPLAY_OPTIONAL) if name in headers])
+    seq_lens = small["seq_lens"]
+    if bool((seq_lens < 1).any()) or int(seq_lens.sum()) != rows:
+        raise ReplayInputError(f"{where}: seq_lens {seq_lens.tolist()} must be >= 1 and sum to T={rows}")
+    mask = small.get("active_mask", torch.ones(rows, dtype=torch.bool))
+    sample_ids = torch.repeat_interleave(torch.arange(len(seq_lens)), seq_lens)
+    active_lens = torch.bincount(sample_ids[mask], minlength=len(seq_lens))
+    if int(active_lens.sum()) == 0:
+        raise ReplayInputError(f"{where}: active_mask marks none of the {rows} tokens active: nothing would be judged")
+    return WorkloadShape(tuple(seq_lens.tolist()), tuple(active_lens.tolist()))
 
 
 def replay_workload(
-    config: WorkloadConfig, model: ModelConfig, *, device: torch.device, seed: int, dtype: torch.dtype
+    config: WorkloadConfig,
+    model: ModelConfig,
+    shape: WorkloadShape,
+    *,
+    device: torch.device,
+    seed: int,
+    dtype: torch.dtype,
 ) -> Workload:
-    """Captured tensors from a safetensors file, every tensor validated before use."""
-    tensors = read_replay_file(config.path)
-    hidden, targets, seq_lens = tensors["hidden_states"], tensors["target_ids"], tensors["seq_lens"]
-    where = f"replay file {config.path!r}"
-    if hidden.dim() != 2 or hidden.shape[1] != model.hidden_size or not hidden.is_floating_point():
-        raise ReplayInputError(
-            f"{where}: hidden_states must be a floating [T, {model.hidden_size}] tensor (model.hidden_size), "
-            f"got {hidden.dtype} {tuple(hidden.shape)}"
-        )
-    rows = hidden.shape[0]
-    for name in ("target_ids", "seq_lens"):
-        if tensors[name].dtype != torch.int64 or tensors[name].dim() != 1:
-            raise ReplayInputError(
-                f"{where}: {name} must be a 1-D int64 tensor, got {tensors[name].dtype} {tuple(tensors[name].shape)}"
-            )
-    if targets.shape[0] != rows:
-        raise ReplayInputError(f"{where}: target_ids has {targets.shape[0]} rows but hidden_states has {rows}")
-    if bool((seq_lens < 1).any()) or int(seq_lens.sum()) != rows:
-        raise ReplayInputError(f"{where}: seq_lens {seq_lens.tolist()} must be >= 1 and sum to T={rows}")
-    active = tensors.get("active_mask")
-    if active is None:
-        active = torch.ones(rows, dtype=torch.bool)
-    elif active.dtype != torch.bool or tuple(active.shape) != (rows,):
-        raise ReplayInputError(f"{where}: active_mask must be bool [{rows}], got {active.dtype} {tuple(active.shape)}")
+    """Captured tensors from a safetensors file whose header ``replay_shape`` checked; then their values."""
+    file = replay_file(config)
+    where = file.describe()
+    tensors = file.load(["hidden_states", "target_ids", *(n for n in REPLAY_OPTIONAL if n in file.headers())])
+    hidden, targets = tensors["hidden_states"], tensors["target_ids"]
     bad = (targets < 0) | (targets >= model.vocab_size)
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
@@ -144,9 +215,11 @@ def replay_workload(
     if not bool(finite.all()):
         row, col = (int(i) for i in (~finite).nonzero()[0])
         raise ReplayInputError(f"{where}: hidden_states[{row}, {col}] = {hidden[row, col].item()} is not finite")
-    lens = tuple(int(n) for n in seq_lens)
-    sample_ids = torch.repeat_interleave(torch.arange(len(lens)), seq_lens)
-    positions = torch.cat([torch.arange(n) for n in lens])
+    rows = shape.num_tokens
+    active = tensors.get("active_mask", torch.ones(rows, dtype=torch.bool))
+    lens = torch.tensor(shape.seq_lens)
+    sample_ids = torch.repeat_interleave(torch.arange(len(shape.seq_lens)), lens)
+    positions = torch.cat([torch.arange(n) for n in shape.seq_lens])
     kernel_targets = torch.where(active, targets, kernels.IGNORE_INDEX)
     return Workload(
         config.name,
@@ -156,24 +229,5 @@ def replay_workload(
         hidden.to(device=device, dtype=dtype),
         kernel_targets.to(device),
         active,
-        lens,
+        shape.seq_lens,
     )
-
-
-def read_replay_file(path: str | None) -> dict[str, torch.Tensor]:
-    if not path:
-        raise ConfigError("workload=replay needs workload.path (a local .safetensors file)")
-    if not Path(path).is_file():
-        raise ReplayInputError(f"replay file {path!r} does not exist (workload.path)")
-    try:
-        with safe_open(path, framework="pt") as handle:
-            names = set(handle.keys())
-            missing = [name for name in REPLAY_TENSORS if name not in names]
-            if missing:
-                raise ReplayInputError(
-                    f"replay file {path!r} is missing {missing}; it must hold {list(REPLAY_TENSORS)} "
-                    f"and optionally {list(REPLAY_OPTIONAL)}, found {sorted(names)}"
-                )
-            return {name: handle.get_tensor(name) for name in (*REPLAY_TENSORS, *REPLAY_OPTIONAL) if name in names}
-    except SafetensorError as err:
-        raise ReplayInputError(f"replay file {path!r} is not a readable safetensors file: {err}") from err

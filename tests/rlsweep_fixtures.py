@@ -8,9 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hydra import compose, initialize_config_module
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from rlsweep.config import register_configs
+from rlsweep.manifest import MANIFEST_FILE, identify
+from rlsweep.run import RunOutcome, execute
 from rlsweep.tables import RUN_TABLES
 
 register_configs()
@@ -20,6 +22,11 @@ def compose_run(*overrides: str) -> DictConfig:
     """The run config exactly as ``python -m rlsweep <overrides>`` composes it."""
     with initialize_config_module("conf", version_base="1.3"):
         return compose("config", overrides=list(overrides))
+
+
+def execute_run(cfg: DictConfig, directory: Path) -> RunOutcome:
+    """``execute`` of a single run (no lock, no manifest): the kernels, judgments and tables only."""
+    return execute(cfg, directory, identify(OmegaConf.to_container(cfg, resolve=True)), standalone=True)
 
 
 @dataclass
@@ -41,10 +48,21 @@ def tables_left(directory: Path) -> list[str]:
     """Run tables (or their temporaries) present in ``directory``."""
     if not directory.exists():
         return []
-    return sorted(p.name for p in directory.iterdir() if any(name in p.name for name in RUN_TABLES))
+    return sorted(p.name for p in directory.iterdir() if any(name in p.name for name in (*RUN_TABLES, MANIFEST_FILE)))
 
 
 def multirun(sweep_dir: Path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """``python -m rlsweep <overrides> --multirun`` into ``sweep_dir``."""
     command = [sys.executable, "-m", "rlsweep", f"hydra.sweep.dir={sweep_dir}", *overrides, "--multirun"]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+
+
+def with_fault(fault: str, module: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``python -m <module> <args>`` after the Python statements ``fault`` ran in the same process.
+
+    Fault injection for the fail-closed tests: ``fault`` patches a function (make it raise, exit the
+    process midway, ...) before the command line starts.
+    """
+    start = f"sys.argv = [{module!r}, *sys.argv[1:]]\nrunpy.run_module({module!r}, run_name='__main__')"
+    script = f"import sys, runpy\n{fault}\n{start}"
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout)

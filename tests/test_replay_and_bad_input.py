@@ -7,12 +7,11 @@ import re
 import pandas as pd
 import pytest
 import torch
-from rlsweep_fixtures import compose_run, run_rlsweep, tables_left
+from rlsweep_fixtures import compose_run, execute_run, run_rlsweep, tables_left
 from safetensors.torch import save_file
 
 from rlsweep.contract import load_contract
 from rlsweep.errors import ConfigError, ContractError, OutputDirError, ReplayInputError
-from rlsweep.run import execute
 from rlsweep.tables import TOKENS_TABLE
 
 HIDDEN, VOCAB, SEQ_LENS = 32, 1500, [6, 9, 5]
@@ -98,7 +97,7 @@ def test_bad_replay_input_names_the_value_and_leaves_no_table(tmp_path, case):
     tensors, message = REPLAY_BAD_INPUTS[case]
     cfg = compose_run(*write_replay(tmp_path, tensors), "layout=smoke")
     with pytest.raises(ReplayInputError, match=re.escape(message)):
-        execute(cfg, tmp_path / "run")
+        execute_run(cfg, tmp_path / "run")
     assert tables_left(tmp_path / "run") == []
 
 
@@ -122,7 +121,7 @@ CONFIG_BAD_INPUTS = {
 def test_bad_config_names_the_value_and_leaves_no_table(tmp_path, case):
     overrides, error, message = CONFIG_BAD_INPUTS[case]
     with pytest.raises(error, match=re.escape(message)):
-        execute(compose_run("layout=smoke", *overrides), tmp_path)
+        execute_run(compose_run("layout=smoke", *overrides), tmp_path)
     assert tables_left(tmp_path) == []
 
 
@@ -130,7 +129,7 @@ def test_unwritable_tables_dir_is_a_usage_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(OutputDirError, match="cannot be written"):
-        execute(compose_run("layout=smoke"), blocker / "run")
+        execute_run(compose_run("layout=smoke"), blocker / "run")
 
 
 @pytest.mark.parametrize(
@@ -138,7 +137,7 @@ def test_unwritable_tables_dir_is_a_usage_error(tmp_path):
     [(["model.weight_sha256=0000"], "pinned weight_sha256 0000"), (["contract.expected_sha256=0000"], "pinned 0000")],
 )
 def test_pinned_hash_mismatch_is_red(tmp_path, overrides, pinned):
-    outcome = execute(compose_run("layout=smoke", *overrides), tmp_path)
+    outcome = execute_run(compose_run("layout=smoke", *overrides), tmp_path)
     assert outcome.exit_code == 2
     assert [v.detail.startswith(pinned) for v in outcome.unexpected] == [True]
 
@@ -148,7 +147,7 @@ def test_distributed_tp_needs_a_gpu_per_rank(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     cfg = compose_run("profile=triton_cuda_bf16", "tp=2", "tp_mode=distributed", "layout=smoke")
     with pytest.raises(ConfigError, match="needs 2 GPUs"):
-        execute(cfg, tmp_path)
+        execute_run(cfg, tmp_path)
     assert tables_left(tmp_path) == []
 
 

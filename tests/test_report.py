@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from rlsweep import analysis
+from rlsweep.exitcodes import ExitCode
 from rlsweep.gate import run_gate
 from rlsweep.report import PLOTS, RED, REPORT_HTML, REPORT_MARKDOWN, main
 from rlsweep.tables import CHECKS_TABLE
@@ -66,12 +67,13 @@ def test_a_green_run_dir_exits_0_and_writes_only_to_out(small_sweep, tmp_path, c
     assert "Gate: **GREEN** (exit code 0)" in (tmp_path / "out" / REPORT_MARKDOWN).read_text()
 
 
-def test_a_crashed_job_exits_1_but_still_reports(small_sweep, tmp_path):
+def test_a_crashed_job_is_incomplete_and_still_reported(small_sweep, tmp_path):
     copy = tmp_path / "sweep"
-    shutil.copytree(small_sweep, copy)
+    shutil.copytree(small_sweep, copy, ignore=shutil.ignore_patterns(".rlsweep.lock"))
     (analysis.run_dirs(copy)[-1] / CHECKS_TABLE).unlink()
-    assert main([str(copy)]) == 1
-    assert "no complete tables" in (copy / REPORT_MARKDOWN).read_text()
+    assert main([str(copy)]) == ExitCode.INCOMPLETE
+    report = (copy / REPORT_MARKDOWN).read_text()
+    assert "Gate: **INCOMPLETE** (exit code 3)" in report and "checks.parquet is missing" in report
 
 
 @pytest.mark.parametrize("make", [lambda p: p / "absent", lambda p: p])

@@ -8,9 +8,10 @@ import torch
 from rlsweep_fixtures import compose_run, run_rlsweep, tables_left
 
 from rlsweep.layouts import CANONICAL_CELL, plan_cells
+from rlsweep.manifest import verify_run
 from rlsweep.model import build_lm_head
 from rlsweep.run import EXECUTION_DTYPES
-from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, TOKENS_SCHEMA, TOKENS_TABLE, read_metadata, run_is_complete
+from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, TOKENS_SCHEMA, TOKENS_TABLE, read_metadata
 from rlsweep.workload import build_workload
 
 
@@ -39,7 +40,7 @@ def assert_bitwise_across_cells(tokens: pd.DataFrame) -> None:
 def test_default_run_writes_both_tables_and_passes(tmp_path):
     done = run_rlsweep(tmp_path)
     assert done.returncode == 0, done.stderr
-    assert run_is_complete(tmp_path)
+    assert verify_run(tmp_path).complete, verify_run(tmp_path).reason
     tokens, checks = read(tmp_path)
     assert list(tokens.columns) == TOKENS_SCHEMA.names and list(checks.columns) == CHECKS_SCHEMA.names
     cells, num_tokens = expected_cells()
@@ -98,8 +99,12 @@ def test_a_profile_claiming_more_than_its_backend_keeps_is_refused_by_dispatch(t
     assert done.returncode == 2, done.stdout + done.stderr
     _, checks = read(tmp_path)
     red = checks[~checks.passed]
-    assert list(red.judgment) == ["provenance"]
+    assert red.judgment.iloc[0] == "provenance"
     assert "aten: determinism scope 'cross_tp_bitwise' not guaranteed" in red.detail.iloc[0]
+    # What provenance prevented is judged red, not missing: every planned kernel verdict is a "not run" row.
+    not_run = red.iloc[1:]
+    assert set(not_run.judgment) == {"forward_accuracy", "forward_invariance", "chain_aggregates", "smoke"}
+    assert not_run.detail.str.startswith("not run: provenance").all() and not not_run.passed.any()
 
 
 def test_an_inconsistent_logprob_contract_is_a_usage_error(tmp_path):

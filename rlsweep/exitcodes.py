@@ -1,0 +1,67 @@
+"""Exit codes, one meaning each, shared by the run, the sweep gate, ``rlsweep.check`` and ``rlsweep.report``.
+
+docs/sweeps.md states them for users. Only judged verdicts may give GREEN or RED; everything else that
+stops a command is ERROR, and missing or unverifiable results are INCOMPLETE.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable
+from enum import IntEnum
+
+from hydra.errors import CompactHydraException
+
+import kernels
+from rlsweep.errors import RlsweepError
+
+EXPECTED_ERRORS = (RlsweepError, kernels.KernelInputError)  # said plainly; anything else also names its type
+
+
+class ExitCode(IntEnum):
+    GREEN = 0  # every expected verdict present and as expected
+    ERROR = 1  # bad input, bad config, usage error, crash
+    RED = 2  # judged verdicts exist and some are not as expected
+    INCOMPLETE = 3  # jobs, tables or verdicts missing, or not from the config beside them
+
+    @property
+    def word(self) -> str:
+        return self.name
+
+
+# When several apply, the first of these wins: an error hides everything, then missing results, then RED.
+PRECEDENCE = (ExitCode.ERROR, ExitCode.INCOMPLETE, ExitCode.RED, ExitCode.GREEN)
+
+
+def combine(codes: Iterable[ExitCode]) -> ExitCode:
+    """The code of several findings: ERROR before INCOMPLETE before RED before GREEN."""
+    found = set(codes)
+    return next((code for code in PRECEDENCE if code in found), ExitCode.GREEN)
+
+
+def one_line(err: BaseException) -> str:
+    """An exception as one line: its message, or its type where the message is empty."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    cause = err.__cause__
+    if isinstance(err, CompactHydraException) and cause is not None and str(cause):
+        text += f" ({' '.join(str(cause).split())})"
+    return text
+
+
+def guarded(prog: str, command: Callable[[], ExitCode]) -> ExitCode:
+    """Run a command line's body: any exception is one line on stderr and ERROR, never a traceback.
+
+    argparse's own usage exit (2) would read as RED, so it is mapped to ERROR.
+    """
+    try:
+        return ExitCode(command())
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        return ExitCode.GREEN if code == 0 else ExitCode.ERROR
+    except KeyboardInterrupt:
+        print(f"{prog}: error: interrupted", file=sys.stderr)
+        return ExitCode.ERROR
+    except Exception as err:
+        kind = "" if isinstance(err, EXPECTED_ERRORS) else f"{type(err).__name__}: "
+        print(f"{prog}: error: {kind}{one_line(err)}", file=sys.stderr)
+        return ExitCode.ERROR

@@ -1,0 +1,199 @@
+"""A run's manifest: written last, it is what makes a run's tables complete (docs/sweeps.md, "Complete").
+
+``manifest.json`` names the content hash of everything that produced the run (resolved config, contract,
+weight and replay files, code) and the sha256 of each table. Tables without a manifest that matches them,
+or whose manifest differs from the config beside them (``.hydra/config.yaml``), are incomplete.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+import kernels
+from rlsweep.environment import git_commit
+from rlsweep.errors import ReplayInputError
+from rlsweep.tables import RUN_TABLES, write_tables
+
+MANIFEST_FILE = "manifest.json"
+MANIFEST_FORMAT = "rlsweep-run-manifest/1"
+HYDRA_CONFIG = Path(".hydra") / "config.yaml"  # the config Hydra saved beside a run's tables
+SOURCE_SUFFIXES = (".py", ".yaml")
+CHUNK = 1 << 20
+
+
+def canonical_numbers(value: Any) -> Any:
+    """0 and 0.0 hash alike, so writing a number either way is the same document."""
+    if isinstance(value, Mapping):
+        return {str(k): canonical_numbers(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [canonical_numbers(v) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def canonical_sha256(value: Any) -> str:
+    """sha256 of the canonical JSON of plain containers (sorted keys, ints as floats)."""
+    text = json.dumps(canonical_numbers(value), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def file_sha256(path: str | Path, what: str) -> str:
+    """sha256 of a file's bytes, streamed; ``what`` names the file in the error."""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as handle:
+            while chunk := handle.read(CHUNK):
+                digest.update(chunk)
+    except OSError as err:
+        raise ReplayInputError(f"{what} {str(path)!r} cannot be read: {err.strerror or err}") from err
+    return digest.hexdigest()
+
+
+@functools.cache
+def code_version() -> dict[str, Any]:
+    """The code that computes a run: git commit (with +dirty) and a hash of the packages' sources.
+
+    The sources hash decides resume; the commit is for people (a dirty tree alone cannot tell two edits apart).
+    """
+    roots = {
+        "kernels": Path(kernels.__file__).parent,
+        "rlsweep": Path(__file__).parent,
+        "conf": Path(str(resources.files("conf"))),
+    }
+    digest = hashlib.sha256()
+    for package, root in roots.items():
+        for path in sorted(p for p in root.rglob("*") if p.suffix in SOURCE_SUFFIXES and p.is_file()):
+            digest.update(f"{package}/{path.relative_to(root).as_posix()}\0".encode())
+            digest.update(path.read_bytes())
+    return {"git_commit": git_commit(), "sources_sha256": digest.hexdigest()}
+
+
+def input_files(config: Mapping[str, Any]) -> dict[str, str]:
+    """sha256 of the files a run reads besides its config: the weights file and the replay file."""
+    files = {}
+    weights = config["model"]["weights"]
+    if weights.get("kind") == "file" and weights.get("path"):
+        files["weights"] = file_sha256(weights["path"], "weights file")
+    workload = config["workload"]
+    if workload.get("source") == "replay" and workload.get("path"):
+        files["replay"] = file_sha256(workload["path"], "replay file")
+    return files
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """What produced a run: its resolved config's hash and the content hash that decides resume."""
+
+    config_sha256: str
+    content_sha256: str
+    inputs: Mapping[str, str]
+    code: Mapping[str, Any]
+
+    @property
+    def run_id(self) -> str:
+        """Stable per config: a re-run of the same config has the same id."""
+        return self.config_sha256[:16]
+
+
+def identify(config: Mapping[str, Any]) -> RunIdentity:
+    """The identity of a resolved run config (plain containers); reads and hashes its input files."""
+    config_hash = canonical_sha256(config)
+    inputs = input_files(config)
+    code = code_version()
+    content = canonical_sha256({"config": config_hash, "inputs": inputs, "code": code["sources_sha256"]})
+    return RunIdentity(config_hash, content, inputs, code)
+
+
+def write_manifest(directory: Path, identity: RunIdentity) -> dict[str, Any]:
+    """Hash the tables now in ``directory`` and write the manifest after them, atomically."""
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "run_id": identity.run_id,
+        "config_sha256": identity.config_sha256,
+        "content_sha256": identity.content_sha256,
+        "inputs": dict(identity.inputs),
+        "code": dict(identity.code),
+        "tables": {name: file_sha256(directory / name, "table") for name in RUN_TABLES},
+        "written": datetime.now(timezone.utc).isoformat(),
+    }
+    write_tables(directory, {}, files={MANIFEST_FILE: json.dumps(manifest, indent=2, sort_keys=True) + "\n"})
+    return manifest
+
+
+def invalidate(directory: Path) -> None:
+    """Before a run writes anything: its old manifest first (so nothing stale reads as complete), then its tables."""
+    for name in (MANIFEST_FILE, *RUN_TABLES):
+        (directory / name).unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class RunState:
+    """Whether ``directory`` holds a complete run; ``reason`` says why not."""
+
+    directory: Path
+    manifest: Mapping[str, Any] | None
+    reason: str = ""
+
+    @property
+    def complete(self) -> bool:
+        return self.manifest is not None and not self.reason
+
+
+def read_manifest(directory: Path) -> tuple[dict[str, Any] | None, str]:
+    path = directory / MANIFEST_FILE
+    if not path.is_file():
+        return None, f"no {MANIFEST_FILE} (the run did not finish, or was invalidated by a rerun)"
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return None, f"{MANIFEST_FILE} cannot be read: {err}"
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        return None, f"{MANIFEST_FILE} is not an rlsweep run manifest ({MANIFEST_FORMAT})"
+    if not isinstance(manifest.get("tables"), dict) or not isinstance(manifest.get("config_sha256"), str):
+        return None, f"{MANIFEST_FILE} lacks its tables or config_sha256"
+    return manifest, ""
+
+
+def hydra_config_sha256(directory: Path) -> str | None:
+    """The config hash of the ``.hydra/config.yaml`` beside a run's tables; None where there is none."""
+    path = directory / HYDRA_CONFIG
+    if not path.is_file():
+        return None
+    return canonical_sha256(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
+
+
+def verify_run(directory: Path) -> RunState:
+    """A run is complete when its manifest names every table by its sha256 and matches the config beside it."""
+    manifest, reason = read_manifest(directory)
+    if manifest is None:
+        return RunState(directory, None, reason)
+    for name in RUN_TABLES:
+        expected = manifest["tables"].get(name)
+        if expected is None:
+            return RunState(directory, manifest, f"{MANIFEST_FILE} does not name {name}")
+        if not (directory / name).is_file():
+            return RunState(directory, manifest, f"{name} is missing")
+        try:
+            actual = file_sha256(directory / name, "table")
+        except ReplayInputError as err:
+            return RunState(directory, manifest, str(err))
+        if actual != expected:
+            return RunState(directory, manifest, f"{name} is not the table its manifest names (sha256 differs)")
+    try:
+        beside = hydra_config_sha256(directory)
+    except Exception as err:
+        return RunState(directory, manifest, f"{HYDRA_CONFIG} cannot be read: {' '.join(str(err).split())}")
+    if beside is not None and beside != manifest["config_sha256"]:
+        return RunState(directory, manifest, f"the tables are not from the config beside them ({HYDRA_CONFIG})")
+    return RunState(directory, manifest)

@@ -1,0 +1,91 @@
+"""Local safetensors inputs (the weight file, replay captures): headers read before any tensor is loaded.
+
+Every failure to read one is a ``ReplayInputError`` naming the file, the config key that points at it and what
+is wrong: missing, unreadable, truncated or not safetensors at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from rlsweep.errors import ReplayInputError
+
+# safetensors' dtype names; a name missing here is a dtype no rlsweep input may have.
+SAFETENSORS_DTYPES = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+}
+
+
+@dataclass(frozen=True)
+class TensorHeader:
+    """A tensor's dtype and shape as the file's header declares them; ``dtype`` is None outside SAFETENSORS_DTYPES."""
+
+    stored: str
+    shape: tuple[int, ...]
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return SAFETENSORS_DTYPES.get(self.stored)
+
+    @property
+    def is_floating(self) -> bool:
+        return self.dtype is not None and self.dtype.is_floating_point
+
+    def describe(self) -> str:
+        return f"{self.stored} {list(self.shape)}"
+
+
+@dataclass(frozen=True)
+class TensorFile:
+    """A safetensors file named by a config key: ``what`` and ``key`` name it in every error."""
+
+    path: str
+    what: str  # "weight file", "replay file"
+    key: str  # the config key that holds the path
+
+    def describe(self) -> str:
+        return f"{self.what} {self.path!r} ({self.key})"
+
+    def headers(self) -> dict[str, TensorHeader]:
+        """Each tensor's header; nothing is loaded."""
+        if not Path(self.path).is_file():
+            raise ReplayInputError(f"{self.describe()} does not exist")
+        with self.opened() as handle:
+            return {name: header(handle.get_slice(name)) for name in handle.keys()}
+
+    def load(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The named tensors, read as stored (dtype and shape as their headers say)."""
+        with self.opened() as handle:
+            return {name: handle.get_tensor(name) for name in names}
+
+    @contextmanager
+    def opened(self) -> Iterator[Any]:
+        """``safe_open`` whose errors, at open or at a read, are a ReplayInputError naming the file."""
+        try:
+            with safe_open(self.path, framework="pt") as handle:
+                yield handle
+        except (SafetensorError, OSError) as err:
+            reason = " ".join(str(err).split()) or type(err).__name__
+            raise ReplayInputError(f"{self.describe()} is not a readable safetensors file: {reason}") from err
+
+
+def header(tensor_slice: Any) -> TensorHeader:
+    return TensorHeader(str(tensor_slice.get_dtype()), tuple(int(n) for n in tensor_slice.get_shape()))

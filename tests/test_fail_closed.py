@@ -1,0 +1,286 @@
+"""Fault injection: no GREEN from a crash, a partial or stale sweep, a neutered control or a broken gate.
+
+Each case breaks one thing (a table, a manifest, a job, the gate itself, the lock) and asserts the exit
+code, the one-line message and that nothing prints GREEN. Exit codes: rlsweep.exitcodes.ExitCode.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from rlsweep_fixtures import multirun, run_rlsweep, tables_left, with_fault
+
+from rlsweep.check import main as check_main
+from rlsweep.exitcodes import ExitCode, combine
+from rlsweep.locks import locked
+from rlsweep.manifest import HYDRA_CONFIG, MANIFEST_FILE
+from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, TOKENS_TABLE, TableError, read_table
+
+SMALL = ("profile=cpu_bf16", "layout=smoke", "tp=1,2")
+CONTROL_DECLARED = "expected_red=[{profiles:[negative_control_cpu],judgment:forward_invariance,reason:control}]"
+
+
+def assert_not_green(done: subprocess.CompletedProcess, code: ExitCode) -> None:
+    """The exit code, no traceback, and no GREEN as the final word (a sweep's green runs may say GREEN)."""
+    output = done.stdout + done.stderr
+    assert done.returncode == code, output
+    assert "Traceback" not in output, output
+    verdicts = [line for line in output.splitlines() if line.startswith(("sweep gate:", "rlsweep run "))]
+    final = [line for line in verdicts if line.startswith("sweep gate:")] or verdicts
+    assert not final or not final[-1].endswith("GREEN"), output
+
+
+def check(directory: Path, capsys) -> tuple[int, str]:
+    code = check_main([str(directory)])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+@pytest.fixture(scope="module")
+def green_sweep(tmp_path_factory) -> Path:
+    """A real green two-job sweep; tests copy it before breaking anything."""
+    sweep_dir = tmp_path_factory.mktemp("green_sweep")
+    done = multirun(sweep_dir, *SMALL)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return sweep_dir
+
+
+@pytest.fixture
+def sweep(green_sweep, tmp_path) -> Path:
+    copy = tmp_path / "sweep"
+    shutil.copytree(green_sweep, copy, ignore=shutil.ignore_patterns(".rlsweep.lock"))
+    return copy
+
+
+def test_exit_codes_have_one_meaning_and_error_wins_over_incomplete_over_red():
+    assert [int(code) for code in ExitCode] == [0, 1, 2, 3]
+    assert combine([ExitCode.RED, ExitCode.INCOMPLETE, ExitCode.ERROR]) == ExitCode.ERROR
+    assert combine([ExitCode.RED, ExitCode.INCOMPLETE]) == ExitCode.INCOMPLETE
+    assert combine([ExitCode.GREEN, ExitCode.RED]) == ExitCode.RED
+    assert combine([]) == ExitCode.GREEN
+
+
+def test_the_untouched_sweep_is_green(sweep, capsys):
+    code, output = check(sweep, capsys)
+    assert code == ExitCode.GREEN, output
+
+
+@pytest.mark.parametrize("table", [TOKENS_TABLE, CHECKS_TABLE, MANIFEST_FILE])
+def test_a_truncated_file_makes_the_sweep_incomplete(sweep, capsys, table):
+    path = sweep / "1" / table
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    code, output = check(sweep, capsys)
+    assert code == ExitCode.INCOMPLETE, output
+    assert "job #1" in output and "GREEN" not in output
+
+
+def test_a_rewritten_table_with_valid_parquet_is_not_trusted(sweep, capsys):
+    # A checks table whose verdicts were flipped to pass and whose metadata was stripped: valid Parquet,
+    # but not the table the manifest names.
+    path = sweep / "0" / CHECKS_TABLE
+    table = pq.read_table(path).replace_schema_metadata(None)
+    pq.write_table(
+        table.set_column(table.schema.get_field_index("passed"), "passed", pa.array([True] * len(table))), path
+    )
+    code, output = check(sweep, capsys)
+    assert code == ExitCode.INCOMPLETE, output
+    assert "sha256 differs" in output
+
+
+def test_a_tampered_manifest_is_incomplete(sweep, capsys):
+    path = sweep / "0" / MANIFEST_FILE
+    manifest = json.loads(path.read_text())
+    manifest["tables"][TOKENS_TABLE] = "0" * 64
+    path.write_text(json.dumps(manifest))
+    code, output = check(sweep, capsys)
+    assert code == ExitCode.INCOMPLETE, output
+
+
+def test_tables_from_another_config_than_the_one_beside_them_are_incomplete(sweep, capsys):
+    config = sweep / "1" / HYDRA_CONFIG
+    config.write_text(config.read_text().replace("seed: 0", "seed: 1", 1))
+    code, output = check(sweep, capsys)
+    assert code == ExitCode.INCOMPLETE, output
+    assert "not from the config beside them" in output
+
+
+@pytest.mark.parametrize("missing", ["manifest", "job dir"])
+def test_a_missing_job_is_named(sweep, capsys, missing):
+    if missing == "manifest":
+        (sweep / "1" / MANIFEST_FILE).unlink()
+    else:
+        shutil.rmtree(sweep / "1")
+    code, output = check(sweep, capsys)
+    assert code == ExitCode.INCOMPLETE, output
+    assert "job #1 (profile=cpu_bf16 layout=smoke tp=2)" in output
+
+
+def test_a_string_passed_column_is_refused_on_read(green_sweep, tmp_path):
+    # "False" as a string is truthy: such a column must never be read as verdicts.
+    table = pq.read_table(green_sweep / "0" / CHECKS_TABLE)
+    index = table.schema.get_field_index("passed")
+    pq.write_table(table.set_column(index, "passed", pa.array(["False"] * len(table))), tmp_path / CHECKS_TABLE)
+    with pytest.raises(TableError, match=r"passed: string \(expected bool\)"):
+        read_table(tmp_path / CHECKS_TABLE, CHECKS_SCHEMA)
+
+
+def test_a_gate_that_raises_ends_the_sweep_with_exit_1(tmp_path):
+    fault = (
+        "import rlsweep.gate\ndef boom(root): raise RuntimeError('injected gate fault')\nrlsweep.gate.run_gate = boom"
+    )
+    fault += "\nimport rlsweep.check\nrlsweep.check.run_gate = boom"
+    done = with_fault(fault, "rlsweep", f"hydra.sweep.dir={tmp_path}", "profile=negative_control_cpu", "layout=smoke",
+                      "tp=1", "--multirun")  # fmt: skip
+    assert_not_green(done, ExitCode.ERROR)
+    assert "rlsweep: error: RuntimeError: injected gate fault" in done.stderr
+
+
+def test_a_gate_that_cannot_write_its_tables_ends_with_exit_1(tmp_path):
+    (tmp_path / "sweep_checks.parquet").mkdir()  # the gate's own table cannot be written
+    done = multirun(tmp_path, "profile=negative_control_cpu", "layout=smoke", "tp=1,2")
+    assert_not_green(done, ExitCode.ERROR)
+    assert "sweep_checks.parquet" in done.stderr
+
+
+def test_a_job_killed_between_its_tables_leaves_an_incomplete_run_that_resume_redoes(tmp_path, capsys):
+    # The process dies after tokens.parquet is in place and before checks.parquet and the manifest.
+    fault = (
+        "import os, rlsweep.run\nwrite = rlsweep.run.write_tables\n"
+        "def dying(directory, tables, **kw):\n"
+        "    write(directory, {k: v for k, v in tables.items() if k == 'tokens.parquet'})\n    os._exit(137)\n"
+        "rlsweep.run.write_tables = dying"
+    )
+    done = with_fault(fault, "rlsweep", f"hydra.sweep.dir={tmp_path}", *SMALL, "--multirun")
+    assert done.returncode == 137
+    assert (tmp_path / "0" / TOKENS_TABLE).is_file() and not (tmp_path / "0" / MANIFEST_FILE).exists()
+    code, output = check(tmp_path, capsys)
+    assert code == ExitCode.INCOMPLETE and "GREEN" not in output
+    resumed = multirun(tmp_path, *SMALL)
+    assert resumed.returncode == ExitCode.GREEN, resumed.stdout + resumed.stderr
+    assert "is complete in" not in resumed.stdout  # nothing was complete, so nothing was skipped
+
+
+def test_resume_reruns_a_job_whose_content_differs(sweep):
+    manifest_path = sweep / "0" / MANIFEST_FILE
+    manifest = json.loads(manifest_path.read_text())
+    manifest["content_sha256"] = "0" * 64  # as if weights, replay files or code had changed since
+    manifest_path.write_text(json.dumps(manifest))
+    done = multirun(sweep, *SMALL)
+    assert done.returncode == ExitCode.GREEN, done.stdout + done.stderr
+    assert done.stdout.count("is complete in") == 1  # job 1 skipped, job 0 rerun
+    assert json.loads(manifest_path.read_text())["content_sha256"] != "0" * 64
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_table(tmp_path):
+    fault = (
+        "import errno, os, pyarrow.parquet as pq\n"
+        "def full(*args, **kwargs): raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))\n"
+        "pq.write_table = full"
+    )
+    done = with_fault(fault, "rlsweep", f"hydra.run.dir={tmp_path}", "layout=smoke")
+    assert_not_green(done, ExitCode.ERROR)
+    assert "No space left on device" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert tables_left(tmp_path) == []
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_failed_rerun_invalidates_the_old_tables(tmp_path, capsys):
+    assert run_rlsweep(tmp_path, "layout=smoke").returncode == ExitCode.GREEN
+    done = run_rlsweep(tmp_path, "layout=smoke", "tp=0")
+    assert_not_green(done, ExitCode.ERROR)
+    assert tables_left(tmp_path) == []
+    code, output = check(tmp_path, capsys)
+    assert code == ExitCode.INCOMPLETE, output
+
+
+def test_a_second_writer_fails_at_once_naming_the_holder(tmp_path):
+    with locked(tmp_path):
+        single = run_rlsweep(tmp_path, "layout=smoke")
+        sweep = multirun(tmp_path, "layout=smoke", "tp=1")
+    for done in (single, sweep):
+        assert_not_green(done, ExitCode.ERROR)
+        assert "is in use by another rlsweep writer (pid" in done.stderr
+    assert tables_left(tmp_path) == []
+
+
+def test_a_control_whose_declarations_match_nothing_is_red(tmp_path):
+    # With only the canonical cell there is no forward_invariance row for the control's declaration to match.
+    done = multirun(tmp_path, "profile=negative_control_cpu", "layout=smoke", "layout.cells=[BN/packed]", "tp=1",
+                    CONTROL_DECLARED)  # fmt: skip
+    assert_not_green(done, ExitCode.RED)
+    checks = pd.read_parquet(tmp_path / "0" / CHECKS_TABLE)
+    row = checks[checks.judgment == "expected_red"]
+    assert len(row) == 1 and not row.passed.iloc[0] and row.value.iloc[0] == 0
+    assert "negative_control_cpu" in row.detail.iloc[0]
+
+
+def test_a_declaration_that_selects_no_run_is_red(tmp_path):
+    declaration = "expected_red=[{profiles:[no_such_profile],judgment:forward_invariance,reason:typo}]"
+    single = run_rlsweep(tmp_path / "run", "layout=smoke", declaration)
+    assert_not_green(single, ExitCode.RED)
+    assert "selects no run" in single.stdout
+    done = multirun(tmp_path / "sweep", "layout=smoke", "tp=1", declaration)
+    assert_not_green(done, ExitCode.RED)
+    assert "selects no run of this sweep" in done.stdout
+
+
+def test_a_sweep_declaration_that_matches_no_tp_row_is_red(tmp_path):
+    declaration = "expected_red=[{profiles:[cpu_bf16],judgment:tp_invariance,cells:[nope],reason:typo}]"
+    done = multirun(tmp_path, *SMALL, declaration)
+    assert_not_green(done, ExitCode.RED)
+    sweep_checks = pd.read_parquet(tmp_path / "sweep_checks.parquet")
+    assert (sweep_checks.judgment == "expected_red").sum() == 1
+
+
+def test_a_contract_missing_a_judged_row_is_refused_before_any_kernel(tmp_path):
+    done = run_rlsweep(tmp_path, "layout=smoke", "~contract.judgments.forward_invariance.rows.lse.bfloat16")
+    assert_not_green(done, ExitCode.ERROR)
+    assert "judgments.forward_invariance.rows.lse.bfloat16" in done.stderr
+    assert "kernel calls" not in done.stdout + done.stderr and tables_left(tmp_path) == []
+
+
+def test_a_contract_with_an_unknown_key_is_refused(tmp_path):
+    done = run_rlsweep(tmp_path, "layout=smoke", "+contract.judgments.forward_accuracy.rows.logp.bfloat16.atoll=1")
+    assert_not_green(done, ExitCode.ERROR)
+    assert "unknown key(s) ['atoll']" in done.stderr
+
+
+def test_duplicate_cells_are_refused_up_front(tmp_path):
+    done = run_rlsweep(tmp_path, "layout.cells=[BN/packed,B1/full,B1/full]")
+    assert_not_green(done, ExitCode.ERROR)
+    assert "['B1/full'] appear more than once" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [sys.executable, "-m", "rlsweep", "--no-such-flag"],
+        [sys.executable, "-m", "rlsweep.check"],
+        [sys.executable, "-m", "rlsweep.check", "--no-such-flag", "."],
+        [sys.executable, "-m", "rlsweep.report"],
+    ],
+)
+def test_usage_errors_are_exit_1_not_red(args):
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert_not_green(done, ExitCode.ERROR)
+
+
+def test_check_on_a_dir_without_runs_is_an_error(tmp_path, capsys):
+    code, output = check(tmp_path, capsys)
+    assert code == ExitCode.ERROR and "no rlsweep run" in output
+
+
+def test_a_run_whose_kernels_provenance_stopped_is_red_with_every_verdict_present(tmp_path):
+    done = run_rlsweep(tmp_path, "layout=smoke", "profile.determinism_scope=cross_tp_bitwise",
+                       "profile.merge_order=global_tile")  # fmt: skip
+    assert_not_green(done, ExitCode.RED)
+    report = subprocess.run([sys.executable, "-m", "rlsweep.report", str(tmp_path)], capture_output=True, text=True)
+    assert_not_green(report, ExitCode.RED)
