@@ -42,6 +42,7 @@ from kernels.errors import (
     DtypeMismatchError,
     KernelInputError,
     NonFiniteInputError,
+    NonFiniteOutputError,
     ShapeMismatchError,
     TargetOutOfRangeError,
     TPConfigError,
@@ -57,6 +58,7 @@ from kernels.provenance import (
     provenance_mismatches,
     require_provenance,
 )
+from kernels.rounding import RoundingBound, rounding_bound
 from kernels.sharding import ShardingSpec, padded_vocab_size
 from kernels.validation import EXECUTION_DTYPES, IGNORE_INDEX
 
@@ -89,11 +91,13 @@ __all__ = [
     "MergeOrder",
     "NodeProvenance",
     "NonFiniteInputError",
+    "NonFiniteOutputError",
     "Provenance",
     "ProvenanceMismatchError",
     "RankAgreement",
     "RankGroup",
     "ReductionSpec",
+    "RoundingBound",
     "ShapeMismatchError",
     "ShardPartials",
     "ShardingSpec",
@@ -118,5 +122,6 @@ __all__ = [
     "registered_logprob_backends",
     "require_provenance",
     "resolve_logprob_backend",
+    "rounding_bound",
     "unregister_logprob_backend",
 ]

@@ -47,6 +47,8 @@ class ShardPartials:
 
 
 class LogprobBackend(Protocol):
+    """The three op nodes; optionally ``max_vocab_tile(device) -> int``, checked before any launch."""
+
     id: str
     declared_kernels: Mapping[str, frozenset[str]]  # op node -> the kernel names it may launch
 

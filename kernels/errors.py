@@ -1,4 +1,4 @@
-"""Typed errors raised by the kernels before any work is done."""
+"""Typed errors raised by the kernels: bad input before any work is done, overflow after."""
 
 from __future__ import annotations
 
@@ -29,7 +29,15 @@ class NonFiniteInputError(KernelInputError):
 
 
 class TPConfigError(KernelInputError):
-    """A tensor-parallel request the geometry or the machine cannot serve."""
+    """A tensor-parallel request or vocab tile the geometry or the machine cannot serve."""
+
+
+class NonFiniteOutputError(KernelInputError):
+    """Finite inputs gave a NaN or ±Inf logp or lse: the row's logits overflowed the execution dtype."""
+
+    def __init__(self, message: str, *, row: int):
+        super().__init__(message)
+        self.row = row
 
 
 class BackendUnavailableError(RuntimeError):

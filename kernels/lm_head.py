@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels.backend import LogprobBackend, ShardPartials, get_backend
-from kernels.errors import KernelInputError
-from kernels.provenance import NodeProvenance, Provenance, across_ranks, call_node
+from kernels.errors import KernelInputError, NonFiniteOutputError, TPConfigError
+from kernels.provenance import NodeProvenance, Provenance, across_ranks, call_node, dtype_name
 from kernels.sharding import ShardingSpec
 from kernels.validation import (
     IGNORE_INDEX,
@@ -64,8 +64,9 @@ def logprob(
     vocab = logits.shape[1]
     check_target_range(targets, vocab)
     sharding = ShardingSpec.even(vocab, vocab_tile, 1)
+    check_vocab_tile(impl, vocab_tile, logits.device)
     ranks = [rank_logprob(impl, logits, targets, sharding, matmul_provenance=None)]
-    return finish(impl, targets, sharding, ranks, tp_mode="emulated")
+    return require_finite(finish(impl, targets, sharding, ranks, tp_mode="emulated"), logits.dtype)
 
 
 def lm_head_logprob(
@@ -84,13 +85,44 @@ def lm_head_logprob(
         raise KernelInputError(f"tp_mode must be one of {TP_MODES}, got {tp_mode!r}")
     check_lm_head_inputs(hidden, weight, targets)
     sharding = ShardingSpec.even(weight.shape[0], vocab_tile, tp)  # raises TPConfigError for tp or tile
+    check_vocab_tile(impl, vocab_tile, hidden.device)
     check_target_range(targets, weight.shape[0])
     if tp_mode == "distributed":
         from kernels.distributed import run_distributed
 
-        return run_distributed(backend, hidden, weight, targets, sharding)
-    ranks = [rank_forward(impl, hidden, weight, targets, sharding.for_rank(r)) for r in range(tp)]
-    return finish(impl, targets, sharding, ranks, tp_mode="emulated")
+        result = run_distributed(backend, hidden, weight, targets, sharding)
+    else:
+        ranks = [rank_forward(impl, hidden, weight, targets, sharding.for_rank(r)) for r in range(tp)]
+        result = finish(impl, targets, sharding, ranks, tp_mode="emulated")
+    return require_finite(result, hidden.dtype)  # in the caller's process: typed in both tp modes
+
+
+def check_vocab_tile(impl: LogprobBackend, vocab_tile: int, device: torch.device) -> None:
+    """TPConfigError, before any launch, for a tile wider than the backend's kernels can hold on ``device``."""
+    limit = impl.max_vocab_tile(device) if hasattr(impl, "max_vocab_tile") else None
+    if limit is not None and vocab_tile > limit:
+        raise TPConfigError(
+            f"vocab_tile={vocab_tile} is wider than backend {impl.id!r} can reduce on {device.type}: its kernels "
+            f"hold at most {limit} vocab columns per program there; use a power of two in [16, {limit}]"
+        )
+
+
+def require_finite(result: LogprobResult, execution_dtype: torch.dtype) -> LogprobResult:
+    """``result`` unless a row's lse or logp is NaN or ±Inf, which finite inputs give only by overflow.
+
+    Every input was checked finite at the boundary, so any non-finite output is an overflow; [T] is cheap to scan.
+    """
+    bad = ~torch.isfinite(result.lse) | ~torch.isfinite(result.logp)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        name = "lse" if not bool(torch.isfinite(result.lse[row])) else "logp"
+        raise NonFiniteOutputError(
+            f"row {row}: {name} is {getattr(result, name)[row].item()} although every input is finite: the row's "
+            f"logits, or logp = logit - lse, overflowed the execution dtype {dtype_name(execution_dtype)} "
+            f"(largest finite {torch.finfo(execution_dtype).max:.4g}); scale hidden or weight down",
+            row=row,
+        )
+    return result
 
 
 def rank_forward(

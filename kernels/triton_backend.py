@@ -93,6 +93,13 @@ class TritonBackend:
         )  # fmt: skip
         return logits, observe("matmul", self.id, logits, interpreted=interpreted)
 
+    def max_vocab_tile(self, device: torch.device) -> int:
+        """The widest vocab tile the tile-partials kernel can hold on ``device``: its block is rows x tile."""
+        _, interpreted = _load_kernels(device)
+        from triton.language import TRITON_MAX_TENSOR_NUMEL  # 2**20 elements, compiled and interpreted alike
+
+        return TRITON_MAX_TENSOR_NUMEL // partial_rows(interpreted)
+
     def shard_partials(
         self, logits: torch.Tensor, local_targets: torch.Tensor, owned: torch.Tensor, sharding: ShardingSpec
     ) -> tuple[ShardPartials, NodeProvenance]:
@@ -103,7 +110,7 @@ class TritonBackend:
         n_tiles = (hi - lo) // sharding.vocab_tile
         maxes = torch.empty((rows, n_tiles), dtype=torch.float32, device=logits.device)
         sums = torch.empty_like(maxes)
-        rows_per_program = INTERPRETER_PARTIAL_ROWS if interpreted else PARTIAL_ROWS
+        rows_per_program = partial_rows(interpreted)
         launch_triton(
             kernels_module.tile_partials_kernel, (triton_cdiv(rows, rows_per_program), n_tiles),
             logits, maxes, sums, rows, n_real, logits.stride(0), n_tiles,
@@ -122,6 +129,11 @@ class TritonBackend:
         grid = (triton_cdiv(rows, MERGE_ROWS),)
         launch_triton(kernels_module.ordered_merge_kernel, grid, maxes, sums, lse, rows, n_tiles, BLOCK=MERGE_ROWS)
         return lse, observe("tp_merge", self.id, lse, tiles=n_tiles, interpreted=interpreted)
+
+
+def partial_rows(interpreted: bool) -> int:
+    """Rows per program of the tile-partials kernel."""
+    return INTERPRETER_PARTIAL_ROWS if interpreted else PARTIAL_ROWS
 
 
 def triton_language_helper():

@@ -10,6 +10,35 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# What c10::BFloat16 writes for every NaN, whatever its sign and payload: positive, quiet, no payload.
+BF16_NAN_BITS: tl.constexpr = tl.constexpr(0x7FC0)
+
+
+@triton.jit
+def round_to_bf16(x):
+    """fp32 -> bf16 rounded to nearest, ties to even, by integer arithmetic on the bits.
+
+    The interpreter's own cast truncates toward zero (its "rtne" option too) and mangles fp32 subnormals and
+    low-payload NaNs; compiled CUDA rounds to nearest even, and this gives its bits. Both paths run this.
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    lowest_kept = (bits >> 16) & 1
+    # Adding just under half a bf16 ulp (plus the kept lsb: ties go to even) and cutting the low half
+    # rounds the magnitude; a carry out of the mantissa steps the exponent, past the largest finite to inf.
+    rounded = (bits + 0x7FFF + lowest_kept) >> 16
+    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(is_nan, BF16_NAN_BITS, rounded).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def widen_to_fp32(x):
+    """bf16 or fp32 -> fp32 exactly: a bf16 is the upper half of its fp32 (the interpreter's cast loses subnormals)."""
+    if x.dtype == tl.bfloat16:
+        wide = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        wide = x.to(tl.float32)
+    return wide
+
 
 @triton.jit(do_not_specialize=["M", "N"])
 def invariant_matmul_kernel(
@@ -50,10 +79,13 @@ def invariant_matmul_kernel(
             # The interpreter's tl.dot is numpy's BLAS, whose bits for a row depend on the row's place in
             # the block (seen: row 252 of 257) and whose bf16 path is wrong. A broadcast product summed over
             # K in order is exact per product (bf16 * bf16 fits fp32) and position independent.
-            acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+            acc += tl.sum(widen_to_fp32(a)[:, :, None] * widen_to_fp32(b)[None, :, :], axis=1)
         else:
             acc = tl.dot(a, b, acc, input_precision="ieee")
-    c = acc.to(c_ptr.dtype.element_ty)
+    if c_ptr.dtype.element_ty == tl.bfloat16:
+        c = round_to_bf16(acc)
+    else:
+        c = acc  # fp32 logits: the accumulator itself
     tl.store(
         c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
         c,
@@ -75,7 +107,8 @@ def tile_partials_kernel(
         logits_ptr + rows[:, None] * stride_t + cols[None, :],
         mask=(rows[:, None] < T) & (cols[None, :] < n_real),
         other=float("-inf"),
-    ).to(tl.float32)
+    )
+    x = widen_to_fp32(x)
     m = tl.max(x, axis=1)
     # An all-padding tile is the identity (-inf, 0): shift by 0 so exp(-inf) = 0, not NaN.
     shift = tl.where(m == float("-inf"), 0.0, m)

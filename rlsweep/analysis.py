@@ -178,7 +178,8 @@ def dlogp(tokens: pd.DataFrame, lhs: Selector, rhs: Selector | str = REFERENCE, 
     ``lhs`` may span several runs and cells; ``rhs`` must pick one token per (sample_id, position) (one run,
     one cell), and every lhs token is compared with the rhs token of the same logical key. ``rhs=REFERENCE``
     compares logp with the float64 ``ref_logp`` of the same rows. Returns DIFF_COLUMNS + lhs, rhs, dlogp,
-    bits_equal (for REFERENCE: the float32 logp, widened exactly, has the reference's bits).
+    bits_equal (for REFERENCE: the float32 logp, widened exactly, has the reference's bits) and allowed: the
+    rounding model's bound on |dlogp| (the lhs token's bound vs REFERENCE, the sum of both tokens' otherwise).
     """
     if tensor not in FORWARD_TENSORS:
         raise SelectionError(f"tensor {tensor!r} is not one of {', '.join(FORWARD_TENSORS)}")
@@ -186,7 +187,7 @@ def dlogp(tokens: pd.DataFrame, lhs: Selector, rhs: Selector | str = REFERENCE, 
     if isinstance(rhs, str):
         if rhs != REFERENCE or tensor != "logp":
             raise SelectionError(f"rhs {rhs!r} with tensor {tensor!r}: only logp has a reference (rhs={REFERENCE!r})")
-        joined = left.assign(lhs=left[tensor].astype("float64"), rhs=left["ref_logp"])
+        joined = left.assign(lhs=left[tensor].astype("float64"), rhs=left["ref_logp"], allowed=left["logp_bound"])
     else:
         right = active_selection(tokens, rhs, "rhs")
         repeated = right.duplicated(list(KEY))
@@ -196,7 +197,10 @@ def dlogp(tokens: pd.DataFrame, lhs: Selector, rhs: Selector | str = REFERENCE, 
                 f"rhs selector {dict(rhs)!r} picks {runs} runs and {cells} cells, not one token per (sample_id, "
                 f"position); narrow it with run_dir, tp_mode or cell"
             )
-        partner = right[[*KEY, "target_id", tensor]].rename(columns={"target_id": "rhs_target", tensor: "rhs"})
+        bound = f"{tensor}_bound"
+        partner = right[[*KEY, "target_id", tensor, bound]].rename(
+            columns={"target_id": "rhs_target", tensor: "rhs", bound: "rhs_bound"}
+        )
         joined = left.merge(partner, on=list(KEY), how="left", validate="many_to_one")
         unmatched = joined["rhs_target"].isna()
         if unmatched.any():
@@ -211,13 +215,15 @@ def dlogp(tokens: pd.DataFrame, lhs: Selector, rhs: Selector | str = REFERENCE, 
                 f"lhs {dict(lhs)!r} and rhs {dict(rhs)!r} are not the same logical tokens: target_id differs at "
                 f"{int(differs.sum())} keys (another workload or seed?)"
             )
-        joined = joined.assign(lhs=joined[tensor], rhs=joined["rhs"].astype(joined[tensor].dtype))
+        allowed = joined[bound] + joined["rhs_bound"]
+        joined = joined.assign(lhs=joined[tensor], rhs=joined["rhs"].astype(joined[tensor].dtype), allowed=allowed)
     equal = bits_equal(joined["lhs"], joined["rhs"].astype(joined["lhs"].dtype))
     out = joined[list(DIFF_COLUMNS)].assign(
         lhs=joined["lhs"],
         rhs=joined["rhs"],
         dlogp=joined["lhs"].astype("float64") - joined["rhs"].astype("float64"),
         bits_equal=equal,
+        allowed=joined["allowed"].astype("float64"),
     )
     return out.sort_values([RUN_DIR, "cell", *KEY], ignore_index=True)
 

@@ -64,6 +64,7 @@ class ProfileConfig:
     backend_family: str = MISSING  # a kernels backend id: aten | triton | control
     device: str = "cpu"  # cpu | cuda
     execution_dtype: str = "bfloat16"
+    logits_dtype: str | None = None  # where the logits are rounded (the op class); null: the execution dtype
     accumulation_dtype: str = "float32"
     tf32: bool = False
     vocab_tile: int = 256
@@ -81,6 +82,7 @@ class WorkloadConfig:
     source: str = "synthetic"  # synthetic | replay
     seq_lens: list[int] = field(default_factory=list)
     prompt_lens: list[int] = field(default_factory=list)
+    hidden_scale: float = 1.0  # synthetic: std of the hidden states; 8 makes logits 8x larger and softmax peaked
     path: str | None = None  # replay: hidden_states, target_ids, seq_lens, optional active_mask
 
 

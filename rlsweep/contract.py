@@ -33,21 +33,30 @@ CONTRACT_JUDGMENTS = (
 BITWISE_JUDGMENTS = ("forward_invariance", "gradient_invariance")
 DETERMINISM_SCOPES = tuple(scope.value for scope in kernels.DeterminismScope)
 BITWISE_SCOPE = kernels.DeterminismScope.CROSS_TP_BITWISE.value
-COMPARISON_MODES = ("bitwise", "tolerance")
+COMPARISON_MODES = ("bitwise", "tolerance", "rounding_model")
+ROUNDING_MODEL = "rounding_model"  # |lhs - rhs| <= the per-token bound of kernels.rounding_bound (docs/contract.md)
 CONTRACT_DTYPES = kernels.EXECUTION_DTYPE_NAMES
 CHAIN_METRICS = ("max_abs_dlogp", "approx_kl0", "clipfrac0")
 FORWARD_TENSORS = ("logp", "lse")
 GRADIENT_TENSORS = ("grad_hidden", "grad_weight")
 CONTRACT_TENSORS = FORWARD_TENSORS + GRADIENT_TENSORS
 PIN_KEY = "expected_sha256"
-DEFAULT_CONTRACT = "v1"
+DEFAULT_CONTRACT = "v2"
+# Op classes key rows beside the dtype: where the logits are rounded decides most of the error budget.
+OP_CLASSES = tuple(f"logits_{dtype}" for dtype in CONTRACT_DTYPES)
+ANY_OP_CLASS = "*"  # a row written directly under its dtype (v1) serves every op class
 # Every key the loader knows, per section: anything else is a typo that would silently weaken a row.
 TOP_KEYS = ("version", PIN_KEY, "dtype_policy", "comparison_roles", "judgments", "chain_logprob_aggregates")
 DTYPE_POLICY_KEYS = ("execution_dtype", "accumulation_dtype", "reference_dtype", "tf32", "fp8")
 ROLES_KEYS = ("roles", "judgments", "forbidden")
 ROW_KEYS = ("atol", "rtol", "mode")
 CHAIN_KEYS = ("over", "clip_interval", "require_all", "nonfinite", "empty_active_set", "thresholds")
-RowKey = tuple[str, str, str, str]  # (judgment, scope or "", tensor, dtype)
+RowKey = tuple[str, str, str, str, str]  # (judgment, scope or "", tensor, dtype, op class or ANY_OP_CLASS)
+
+
+def op_class(execution_dtype: str, logits_dtype: str | None) -> str:
+    """The op class of a profile: logits materialized in ``logits_dtype`` (default: the execution dtype)."""
+    return f"logits_{logits_dtype or execution_dtype}"
 
 
 @dataclass(frozen=True)
@@ -58,18 +67,20 @@ class Comparison:
     max_abs_diff: float
     mismatches: int
     first_index: int | None  # first mismatching element, None when all match
+    max_ratio: float = math.nan  # rounding_model rows: the largest |lhs - rhs| / bound (1 uses the whole bound)
 
 
 @dataclass(frozen=True)
 class Tolerance:
-    """One contract row: |lhs - rhs| <= atol + rtol * |rhs| (tolerance) or identical bits (bitwise)."""
+    """One contract row: |lhs - rhs| <= atol + rtol * |rhs| (tolerance), identical bits (bitwise), or
+    |lhs - rhs| <= a per-token bound from the rounding-error model (rounding_model)."""
 
     atol: float
     rtol: float
     mode: str
 
-    def mismatched(self, lhs: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
-        """lhs[N], rhs[N] -> bool[N], true where the pair violates this row (NaN always does)."""
+    def mismatched(self, lhs: torch.Tensor, rhs: torch.Tensor, bound: torch.Tensor | None = None) -> torch.Tensor:
+        """lhs[N], rhs[N] (and bound[N] for rounding_model) -> bool[N], true where a pair violates the row."""
         if lhs.shape != rhs.shape:
             raise ContractError(f"cannot compare shapes {tuple(lhs.shape)} and {tuple(rhs.shape)}")
         if self.mode == "bitwise":
@@ -78,35 +89,58 @@ class Tolerance:
             # Bit patterns, so -0.0 vs 0.0 and NaN payloads count as differences.
             return kernels.bit_pattern(lhs) != kernels.bit_pattern(rhs)
         diff = (lhs.double() - rhs.double()).abs()
-        within = diff <= self.atol + self.rtol * rhs.double().abs()
-        return ~within
+        if self.mode == ROUNDING_MODEL:
+            if bound is None or bound.shape != lhs.shape:
+                raise ContractError(f"a rounding_model row needs a bound of shape {tuple(lhs.shape)}, got "
+                                    f"{None if bound is None else tuple(bound.shape)}")  # fmt: skip
+            return ~(diff <= bound.double())
+        return ~(diff <= self.atol + self.rtol * rhs.double().abs())
 
-    def check(self, lhs: torch.Tensor, rhs: torch.Tensor) -> Comparison:
-        bad = self.mismatched(lhs, rhs)
-        diff = (lhs.double() - rhs.double()).abs()
-        max_diff = float(diff.nan_to_num(nan=math.inf).max()) if diff.numel() else 0.0
+    def check(self, lhs: torch.Tensor, rhs: torch.Tensor, bound: torch.Tensor | None = None) -> Comparison:
+        bad = self.mismatched(lhs, rhs, bound)
+        diff = (lhs.double() - rhs.double()).abs().nan_to_num(nan=math.inf)
+        max_diff = float(diff.max()) if diff.numel() else 0.0
+        ratio = float((diff / bound.double()).max()) if self.mode == ROUNDING_MODEL and diff.numel() else math.nan
         count = int(bad.sum())
         first = int(bad.nonzero()[0, 0]) if count else None
-        return Comparison(passed=count == 0, max_abs_diff=max_diff, mismatches=count, first_index=first)
+        return Comparison(count == 0, max_diff, count, first, ratio)
 
     @property
     def threshold(self) -> float:
-        """The number a verdict row shows: mismatching elements allowed (0) or atol."""
-        return 0.0 if self.mode == "bitwise" else self.atol
+        """The number a verdict row shows: mismatching elements allowed (0), atol, or the bound's share (1)."""
+        return {"bitwise": 0.0, ROUNDING_MODEL: 1.0}.get(self.mode, self.atol)
 
 
 @dataclass(frozen=True)
 class ChainThresholds:
-    """Upper bounds of the chain logprob aggregates for one dtype."""
+    """Upper bounds of the chain logprob aggregates for one dtype: fixed figures, or from the rounding model."""
 
-    max_abs_dlogp: float
-    approx_kl0: float
-    clipfrac0: float
+    max_abs_dlogp: float = math.nan
+    approx_kl0: float = math.nan
+    clipfrac0: float = math.nan
+    mode: str = "tolerance"
 
-    def of(self, metric: str) -> float:
+    def of(self, metric: str, bound: torch.Tensor | None = None, clip: tuple[float, float] = (0.0, math.inf)) -> float:
+        """The limit of ``metric``; rounding_model: the aggregate if every token were at its bound[N] (float64).
+
+        exp(d) - 1 - d grows with |d| and is larger for d = +b than for -b; a token can leave the clip interval
+        only where its bound lets exp(+-b) reach it.
+        """
         if metric not in CHAIN_METRICS:
             raise ContractError(f"unknown chain metric {metric!r}; known: {', '.join(CHAIN_METRICS)}")
-        return getattr(self, metric)
+        if self.mode != ROUNDING_MODEL:
+            return getattr(self, metric)
+        if bound is None:
+            raise ContractError("rounding_model chain thresholds need the active tokens' bounds")
+        if not bound.numel():
+            return math.nan  # nothing to judge: the empty active set is a hard failure of its own
+        b = bound.double()
+        limits = {
+            "max_abs_dlogp": float(b.max()),
+            "approx_kl0": float((torch.exp(b) - 1 - b).mean()),
+            "clipfrac0": float(((torch.exp(b) > clip[1]) | (torch.exp(-b) < clip[0])).double().mean()),
+        }
+        return limits[metric]
 
 
 @dataclass(frozen=True)
@@ -118,15 +152,12 @@ class Contract:
     expected_sha256: str | None
     document: Mapping[str, Any]
     roles: Mapping[str, tuple[str, str]]
-    rows: Mapping[tuple[str, str, str, str], Tolerance]  # (judgment, scope or "", tensor, dtype)
+    rows: Mapping[RowKey, Tolerance]
     clip_interval: tuple[float, float]
     chain: Mapping[str, ChainThresholds]
 
-    def tolerance(self, judgment: str, tensor: str, dtype: str, *, scope: str | None = None) -> Tolerance:
-        """The row for ``judgment`` on ``tensor`` ("logp", "lse", ...) at execution ``dtype``.
-
-        ``scope`` selects the tp_invariance row ("cross_tp_bitwise" when omitted, the strict one).
-        """
+    def row_key(self, judgment: str, tensor: str, dtype: str, op: str, scope: str | None = None) -> RowKey:
+        """The key of the row serving ``op`` (its own row, else one written for every op class)."""
         if judgment not in CONTRACT_JUDGMENTS:
             raise ContractError(f"unknown judgment {judgment!r}; the contract has: {', '.join(CONTRACT_JUDGMENTS)}")
         if judgment == "tp_invariance":
@@ -135,12 +166,20 @@ class Contract:
                 raise ContractError(f"unknown determinism scope {scope!r}; valid: {', '.join(DETERMINISM_SCOPES)}")
         else:
             scope = ""
-        key = (judgment, scope, tensor, dtype)
+        own = (judgment, scope, tensor, dtype, op)
+        return own if own in self.rows else (judgment, scope, tensor, dtype, ANY_OP_CLASS)
+
+    def tolerance(self, judgment: str, tensor: str, dtype: str, *, op: str, scope: str | None = None) -> Tolerance:
+        """The row for ``judgment`` on ``tensor`` ("logp", "lse", ...) at execution ``dtype`` for op class ``op``.
+
+        ``scope`` selects the tp_invariance row ("cross_tp_bitwise" when omitted, the strict one).
+        """
+        key = self.row_key(judgment, tensor, dtype, op, scope)
         if key not in self.rows:
-            known = sorted({(t, d) for j, s, t, d in self.rows if j == judgment and s == scope})
+            known = sorted({(t, d, o) for j, s, t, d, o in self.rows if j == judgment and s == key[1]})
             raise ContractError(
-                f"contract {self.version} has no {judgment} row for tensor={tensor!r} dtype={dtype!r}; "
-                f"rows exist for (tensor, dtype) in {known}"
+                f"contract {self.version} has no {judgment} row for tensor={tensor!r} dtype={dtype!r} op class "
+                f"{op!r}; rows exist for (tensor, dtype, op class) in {known}"
             )
         return self.rows[key]
 
@@ -153,7 +192,9 @@ class Contract:
     def require(self, rows: list[RowKey], roles: list[str], chain_dtypes: list[str]) -> None:
         """Raise ContractError naming every row, role pair and chain dtype a run needs that this contract lacks."""
         missing = [
-            f"judgments.{j}{'.' + s if s else ''}.rows.{t}.{d}" for j, s, t, d in rows if (j, s, t, d) not in self.rows
+            f"judgments.{j}{'.' + s if s else ''}.rows.{t}.{d}[.{o}]"
+            for j, s, t, d, o in rows
+            if self.row_key(j, t, d, o, s or None) not in self.rows
         ]
         missing += [f"comparison_roles.judgments.{name}" for name in roles if name not in self.roles]
         missing += [f"chain_logprob_aggregates.thresholds.{d}" for d in chain_dtypes if d not in self.chain]
@@ -173,7 +214,7 @@ def default_contract_path(name: str = DEFAULT_CONTRACT) -> Path:
 
 
 def load_contract(path: str | Path | None = None) -> Contract:
-    """Read and validate a contract file (default: the packaged v1)."""
+    """Read and validate a contract file (default: the packaged DEFAULT_CONTRACT)."""
     path = default_contract_path() if path is None else Path(path)
     if not path.is_file():
         raise ContractError(f"contract file {str(path)!r} does not exist")
@@ -237,8 +278,8 @@ def parse_roles(section: Mapping[str, Any], source: str) -> dict[str, tuple[str,
     return roles
 
 
-def parse_judgments(section: Mapping[str, Any], source: str) -> dict[tuple[str, str, str, str], Tolerance]:
-    rows: dict[tuple[str, str, str, str], Tolerance] = {}
+def parse_judgments(section: Mapping[str, Any], source: str) -> dict[RowKey, Tolerance]:
+    rows: dict[RowKey, Tolerance] = {}
     reject_unknown(section, CONTRACT_JUDGMENTS, f"{source}: judgments")
     for judgment, block in section.items():
         if judgment not in CONTRACT_JUDGMENTS:
@@ -263,7 +304,8 @@ def parse_judgments(section: Mapping[str, Any], source: str) -> dict[tuple[str, 
 
 def parse_rows(
     label: str, judgment: str, scope: str, block: Mapping[str, Any], bitwise: bool, source: str
-) -> dict[tuple[str, str, str, str], Tolerance]:
+) -> dict[RowKey, Tolerance]:
+    """rows.<tensor>.<dtype> is a row for every op class, or a mapping op class -> row."""
     reject_unknown(block, ("rows",), f"{source}: judgments.{label}")
     if "rows" not in block:
         raise ContractError(f"{source}: judgments.{label} has no 'rows'")
@@ -271,17 +313,18 @@ def parse_rows(
     reject_unknown(block["rows"], CONTRACT_TENSORS, f"{source}: judgments.{label}.rows")
     for tensor, by_dtype in block["rows"].items():
         reject_unknown(by_dtype, CONTRACT_DTYPES, f"{source}: judgments.{label}.rows.{tensor}")
-        for dtype, row in by_dtype.items():
+        for dtype, entry in by_dtype.items():
             where = f"{source}: judgments.{label}.rows.{tensor}.{dtype}"
-            if dtype not in CONTRACT_DTYPES:
-                raise ContractError(f"{where}: unknown dtype {dtype!r}; valid: {', '.join(CONTRACT_DTYPES)}")
-            tolerance = parse_tolerance(row, where)
-            if bitwise and (tolerance.mode != "bitwise" or tolerance.atol != 0 or tolerance.rtol != 0):
-                raise ContractError(
-                    f"{where}: invariance rows must be bitwise (mode: bitwise, atol: 0, rtol: 0), got "
-                    f"mode={tolerance.mode!r} atol={tolerance.atol!r} rtol={tolerance.rtol!r}"
-                )
-            rows[(judgment, scope, tensor, dtype)] = tolerance
+            by_op = {ANY_OP_CLASS: entry} if isinstance(entry, Mapping) and "mode" in entry else entry
+            reject_unknown(by_op, (ANY_OP_CLASS, *OP_CLASSES), where)
+            for op, row in by_op.items():
+                tolerance = parse_tolerance(row, where if op == ANY_OP_CLASS else f"{where}.{op}")
+                if bitwise and (tolerance.mode != "bitwise" or tolerance.atol != 0 or tolerance.rtol != 0):
+                    raise ContractError(
+                        f"{where}: invariance rows must be bitwise (mode: bitwise, atol: 0, rtol: 0), got "
+                        f"mode={tolerance.mode!r} atol={tolerance.atol!r} rtol={tolerance.rtol!r}"
+                    )
+                rows[(judgment, scope, tensor, dtype, op)] = tolerance
     return rows
 
 
@@ -290,6 +333,10 @@ def parse_tolerance(row: Mapping[str, Any], where: str) -> Tolerance:
     mode = row.get("mode")
     if mode not in COMPARISON_MODES:
         raise ContractError(f"{where}: mode must be one of {COMPARISON_MODES}, got {mode!r}")
+    if mode == ROUNDING_MODEL:  # the bound comes from the model, so a row carries no figure of its own
+        if set(row) != {"mode"}:
+            raise ContractError(f"{where}: a rounding_model row has only 'mode', got {sorted(row)}")
+        return Tolerance(atol=0.0, rtol=0.0, mode=mode)
     values = {}
     for key in ("atol", "rtol"):
         value = row.get(key)
@@ -317,10 +364,13 @@ def parse_chain(section: Mapping[str, Any], source: str) -> tuple[tuple[float, f
     chain = {}
     reject_unknown(section.get("thresholds", {}), CONTRACT_DTYPES, f"{where}.thresholds")
     for dtype, thresholds in section.get("thresholds", {}).items():
+        if isinstance(thresholds, Mapping) and dict(thresholds) == {"mode": ROUNDING_MODEL}:
+            chain[dtype] = ChainThresholds(mode=ROUNDING_MODEL)
+            continue
         if not isinstance(thresholds, Mapping) or set(thresholds) != set(CHAIN_METRICS):
             raise ContractError(
-                f"{where}.thresholds.{dtype}: need dtype in {CONTRACT_DTYPES} and exactly the metrics "
-                f"{list(CHAIN_METRICS)}, got {sorted(thresholds)}"
+                f"{where}.thresholds.{dtype}: need {{mode: {ROUNDING_MODEL}}} or exactly the metrics "
+                f"{list(CHAIN_METRICS)}, got {thresholds!r}"
             )
         values = {metric: thresholds[metric] for metric in CHAIN_METRICS}
         for metric, value in values.items():

@@ -17,7 +17,7 @@ import torch
 
 import kernels
 from rlsweep.config import ExpectedVerdictConfig
-from rlsweep.contract import CHAIN_METRICS, FORWARD_TENSORS, Contract, Tolerance
+from rlsweep.contract import CHAIN_METRICS, FORWARD_TENSORS, ROUNDING_MODEL, Contract, Tolerance
 from rlsweep.errors import ConfigError
 from rlsweep.execute import CellResult
 from rlsweep.layouts import DECODE_CELL
@@ -66,18 +66,26 @@ def compare_tokens(
     rhs: torch.Tensor,
     tolerance: Tolerance,
     keys: tuple[torch.Tensor, torch.Tensor],
+    bound: torch.Tensor | None = None,
 ) -> Verdict:
-    """One contract row on lhs[N] vs rhs[N], the judged tokens in logical order; keys: (sample_id[N], position[N])."""
+    """One contract row on lhs[N] vs rhs[N], the judged tokens in logical order; keys: (sample_id[N], position[N]).
+
+    ``bound`` [N]: the rounding model's allowance per token, for rounding_model rows.
+    """
     if lhs.numel() == 0:
         return Verdict(judgment, tensor, *roles, *cells, metric="active_tokens", value=0.0, threshold=1.0,
                        passed=False, detail="no active token to judge")  # fmt: skip
-    result = tolerance.check(lhs, rhs)
+    result = tolerance.check(lhs, rhs, bound)
     first = result.first_index
     sample_id, position = (None, None) if first is None else (int(keys[0][first]), int(keys[1][first]))
     count = lhs.numel()
     if tolerance.mode == "bitwise":
         metric, value = "mismatched_tokens", float(result.mismatches)
         detail = f"bitwise {tensor}: {result.mismatches} of {count} active tokens differ"
+    elif tolerance.mode == ROUNDING_MODEL:
+        metric, value = "max_error_over_bound", result.max_ratio
+        detail = (f"|{tensor} diff| <= rounding-model bound: used {result.max_ratio:.3g} of it; {result.mismatches} "
+                  f"of {count} active tokens exceed")  # fmt: skip
     else:
         metric, value = "max_abs_diff", result.max_abs_diff
         bound = f"{tolerance.atol:g} + {tolerance.rtol:g}*|rhs|"
@@ -98,17 +106,35 @@ def compare(
     rhs: torch.Tensor,
     tolerance: Tolerance,
     workload: Workload,
+    bound: torch.Tensor | None = None,
 ) -> Verdict:
-    """One contract row on the active tokens of two logical-order tensors lhs[T], rhs[T]."""
+    """One contract row on the active tokens of two logical-order tensors lhs[T], rhs[T] (and bound[T])."""
     rows = torch.nonzero(workload.active)[:, 0]
     keys = (workload.sample_ids[rows], workload.positions[rows])
-    return compare_tokens(judgment, tensor, roles, cells, lhs[rows], rhs[rows], tolerance, keys)
+    return compare_tokens(judgment, tensor, roles, cells, lhs[rows], rhs[rows], tolerance, keys,
+                          None if bound is None else bound[rows])  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Standard:
+    """What a run is judged by: the contract, its execution dtype and op class, and the rounding bounds.
+
+    ``bound`` maps "logp" and "lse" to the rounding model's per-token allowance [T] (logical order, float64).
+    """
+
+    contract: Contract
+    dtype: str
+    op: str
+    bound: Mapping[str, torch.Tensor]
+
+    def row(self, judgment: str, tensor: str, scope: str | None = None) -> Tolerance:
+        return self.contract.tolerance(judgment, tensor, self.dtype, op=self.op, scope=scope)
 
 
 def forward_accuracy(
-    result: CellResult, reference: CellResult, workload: Workload, contract: Contract, dtype: str
+    result: CellResult, reference: CellResult, workload: Workload, standard: Standard
 ) -> list[Verdict]:
-    roles = contract.roles_for("forward_accuracy")
+    roles = standard.contract.roles_for("forward_accuracy")
     return [
         compare(
             "forward_accuracy",
@@ -117,17 +143,19 @@ def forward_accuracy(
             (result.cell.name, reference.cell.name),
             getattr(result, tensor),
             getattr(reference, tensor),
-            contract.tolerance("forward_accuracy", tensor, dtype),
+            standard.row("forward_accuracy", tensor),
             workload,
+            standard.bound[tensor],
         )
         for tensor in FORWARD_TENSORS
     ]
 
 
 def forward_invariance(
-    result: CellResult, canonical: CellResult, workload: Workload, contract: Contract, dtype: str
+    result: CellResult, canonical: CellResult, workload: Workload, standard: Standard
 ) -> list[Verdict]:
     """Bitwise on logp and lse; the decode cell is the rollout-vs-training parity of the contract's roles."""
+    contract = standard.contract
     roles = contract.roles_for("decode_parity" if result.cell.name == DECODE_CELL else "forward_invariance")
     verdicts = []
     for tensor in FORWARD_TENSORS:
@@ -138,7 +166,7 @@ def forward_invariance(
             (result.cell.name, canonical.cell.name),
             getattr(result, tensor),
             getattr(canonical, tensor),
-            contract.tolerance("forward_invariance", tensor, dtype),
+            standard.row("forward_invariance", tensor),
             workload,
         )
         rows = f"call rows {list(result.cell.call_rows)} vs {list(canonical.cell.call_rows)}"
@@ -157,12 +185,13 @@ def chain_metrics(dlogp: torch.Tensor, clip: tuple[float, float]) -> dict[str, f
 
 
 def chain_aggregates(
-    canonical: CellResult, reference: CellResult, workload: Workload, contract: Contract, dtype: str
+    canonical: CellResult, reference: CellResult, workload: Workload, standard: Standard
 ) -> list[Verdict]:
     """Every aggregate must pass (require_all); NaN/Inf or an empty active set fails every metric."""
+    contract = standard.contract
     roles = contract.roles_for("chain_logprob_aggregates")
     cells = (canonical.cell.name, reference.cell.name)
-    thresholds = contract.chain_thresholds(dtype)
+    thresholds = contract.chain_thresholds(standard.dtype)
     rows = torch.nonzero(workload.active)[:, 0]
     dlogp = canonical.logp[rows].double() - reference.logp[rows].double()
     if rows.numel() == 0:
@@ -177,7 +206,7 @@ def chain_aggregates(
         values, failure = chain_metrics(dlogp, contract.clip_interval), ""
     verdicts = []
     for metric in CHAIN_METRICS:
-        limit = thresholds.of(metric)
+        limit = thresholds.of(metric, standard.bound["logp"][rows], contract.clip_interval)
         passed = not failure and values[metric] <= limit
         detail = failure or f"{metric} over {len(rows)} active tokens, dlogp = lhs - rhs, clip {contract.clip_interval}"
         verdicts.append(
@@ -414,11 +443,11 @@ def not_run_verdicts(judged: Sequence[Verdict], planned: Sequence[Verdict], reas
     ]
 
 
-def contract_needs(cells: Sequence[str], dtype: str, scope: str) -> tuple[list, list[str], list[str]]:
+def contract_needs(cells: Sequence[str], dtype: str, op: str, scope: str) -> tuple[list, list[str], list[str]]:
     """(tolerance rows, role pairs, chain dtypes) a run over ``cells`` and the sweeps it joins will judge."""
     judgments = ["forward_accuracy", "backend_parity"] + (["forward_invariance"] if len(cells) > 1 else [])
-    rows = [(judgment, "", tensor, dtype) for judgment in judgments for tensor in FORWARD_TENSORS]
-    rows += [("tp_invariance", scope, tensor, dtype) for tensor in FORWARD_TENSORS]
+    rows = [(judgment, "", tensor, dtype, op) for judgment in judgments for tensor in FORWARD_TENSORS]
+    rows += [("tp_invariance", scope, tensor, dtype, op) for tensor in FORWARD_TENSORS]
     roles = [*judgments, "tp_invariance", "chain_logprob_aggregates"]
     roles += ["decode_parity"] if DECODE_CELL in cells[1:] else []
     return rows, roles, [dtype]

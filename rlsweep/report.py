@@ -117,7 +117,10 @@ def build_sections(root: Path, result: GateResult, tokens: pd.DataFrame, checks:
         ),
         Section(
             "Accuracy: dlogp vs the float64 reference",
-            [f"logp of {CANONICAL_CELL} at each profile's smallest tp minus ref_logp; dashed lines: contract atol."],
+            [
+                f"logp of {CANONICAL_CELL} at each profile's smallest tp minus ref_logp; dashed lines: the contract's "
+                "atol where its rows have one (v1; v2 judges by per-token bounds)."
+            ],
             image=HISTOGRAM_PNG,
         ),
         Section(

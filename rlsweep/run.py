@@ -6,8 +6,9 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
@@ -18,12 +19,13 @@ from omegaconf import DictConfig, OmegaConf
 
 import kernels
 from rlsweep.config import DEVICES, check_complete
-from rlsweep.contract import DETERMINISM_SCOPES, Contract, contract_from_mapping
+from rlsweep.contract import DETERMINISM_SCOPES, contract_from_mapping, op_class
 from rlsweep.environment import available_memory, environment
 from rlsweep.errors import ConfigError
 from rlsweep.execute import CellResult, Filler, check_fits, peak_bytes, run_cell, run_reference
 from rlsweep.exitcodes import ExitCode
 from rlsweep.judgments import (
+    Standard,
     Verdict,
     apply_expected,
     chain_aggregates,
@@ -92,6 +94,7 @@ def validate(cfg: DictConfig) -> None:
     checks = {
         "device": (profile.device, DEVICES),
         "execution_dtype": (profile.execution_dtype, tuple(EXECUTION_DTYPES)),
+        "logits_dtype": (profile.logits_dtype or profile.execution_dtype, tuple(EXECUTION_DTYPES)),
         "determinism_scope": (profile.determinism_scope, DETERMINISM_SCOPES),
     }
     for key, (value, valid) in checks.items():
@@ -160,9 +163,14 @@ def choose_triton_mode() -> None:
 
 
 def prepare_backend(profile: DictConfig) -> None:
-    """Triton on the CPU runs in its interpreter (see ``choose_triton_mode``)."""
+    """Triton on the CPU runs in its interpreter, on a GPU machine too when nothing has imported triton yet.
+
+    Where triton was already imported in the other mode (a sweep mixing CPU and CUDA Triton profiles in one
+    process on a GPU machine), the backend says so and the run's provenance is red, never a silent fallback.
+    """
     if profile.backend_family == "triton" and profile.device == "cpu":
-        choose_triton_mode()
+        if "triton" not in sys.modules:
+            os.environ.setdefault("TRITON_INTERPRET", "1")
         # The interpreter evaluates masked (-inf) lanes too and warns about them; the kernel masks the results.
         warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
 
@@ -179,7 +187,8 @@ def execute(cfg: DictConfig, directory: Path, identity: RunIdentity, *, standalo
     validate(cfg)
     profile = cfg.profile
     cells = cell_names(cfg.layout)
-    contract.require(*contract_needs(cells, profile.execution_dtype, profile.determinism_scope))
+    op_name = op_class(profile.execution_dtype, profile.logits_dtype)
+    contract.require(*contract_needs(cells, profile.execution_dtype, op_name, profile.determinism_scope))
     check_writable(directory)
     required = dict(profile.required_nodes)
     run = {
@@ -193,35 +202,33 @@ def execute(cfg: DictConfig, directory: Path, identity: RunIdentity, *, standalo
         "config_fingerprint": config_fingerprint(cfg.model),
         "weight_hash": "",
         "workload": cfg.workload.name,
+        "seed": cfg.seed,
         "contract_version": contract.version,
         "contract_sha256": contract.sha256,
     }
     verdicts = [contract_verdict(contract)]
     observed: dict[str, Any] = {}
-    results: list[CellResult] = []
-    reference = None
-    workload = None
-    stopped = ""  # why provenance stopped the kernels, if it did
+    computed = Computed()
     if profile.device == "cuda" and not torch.cuda.is_available():
-        stopped = (
+        computed.stopped = (
             f"profile {profile.name!r} requires device 'cuda' but torch.cuda.is_available() is False here "
             f"(torch {torch.__version__}); observed device: cpu; nothing ran, no fallback"
         )
-        verdicts.append(provenance_verdict("", required, [], profile.backend_family, error=stopped))
+        verdicts.append(provenance_verdict("", required, [], profile.backend_family, error=computed.stopped))
     else:
         check_distributed_devices(cfg)
         prepare_backend(profile)
         try:
             op = dispatch(cfg)
         except kernels.LogprobDispatchError as err:
-            stopped = str(err)
-            verdicts.append(provenance_verdict("", required, [], profile.backend_family, error=stopped))
+            computed.stopped = str(err)
+            verdicts.append(provenance_verdict("", required, [], profile.backend_family, error=computed.stopped))
         else:
             observed["dispatch"] = op.to_dict()
-            results, reference, workload, stopped = compute(cfg, op, run, verdicts, observed)
-    judged = judge(results, reference, workload, contract, profile.execution_dtype)
+            computed = compute(cfg, op, run, verdicts, observed)
+    judged = judge(computed, Standard(contract, profile.execution_dtype, op_name, computed.bound))
     verdicts += judged
-    if stopped:
+    if computed.stopped:
         verdicts += not_run_verdicts(judged, planned_verdicts(cells, contract), "provenance stopped the kernels")
     verdicts = apply_expected(verdicts, expectations_for(config))
     verdicts += declaration_rows(verdicts, config, standalone=standalone)
@@ -234,7 +241,7 @@ def execute(cfg: DictConfig, directory: Path, identity: RunIdentity, *, standalo
         "started": started,
         "finished": datetime.now(timezone.utc).isoformat(),
     }
-    tokens = tokens_table(run, results, reference, workload)
+    tokens = tokens_table(run, computed)
     checks = build_table(CHECKS_SCHEMA, run, checks_columns(verdicts), len(verdicts))
     write_tables(
         directory, {TOKENS_TABLE: with_metadata(tokens, metadata), CHECKS_TABLE: with_metadata(checks, metadata)}
@@ -257,13 +264,22 @@ def dispatch(cfg: DictConfig) -> kernels.LogprobOp:
     return kernels.get_logprob_op(contract, profile.backend_family)
 
 
+@dataclass
+class Computed:
+    """What the kernels produced: every cell's results (logical order), the float64 reference, the workload,
+    the rounding model's bounds {"logp", "lse"} -> [T], and why provenance stopped the cells ("" if not)."""
+
+    results: list[CellResult] = field(default_factory=list)
+    reference: CellResult | None = None
+    workload: Any = None
+    bound: dict[str, torch.Tensor] = field(default_factory=dict)
+    stopped: str = ""
+
+
 def compute(
     cfg: DictConfig, op: kernels.LogprobOp, run: dict[str, Any], verdicts: list[Verdict], observed: dict[str, Any]
-) -> tuple[list[CellResult], CellResult, Any, str]:
-    """Head, workload, the reference and every cell through ``op``; provenance verdicts appended as they come.
-
-    Returns the cells' results, the reference, the workload and why provenance stopped the cells ("" if not).
-    """
+) -> Computed:
+    """Head, workload, the reference, the bounds and every cell through ``op``; provenance verdicts as they come."""
     profile = cfg.profile
     required = dict(profile.required_nodes)
     dtype = EXECUTION_DTYPES[profile.execution_dtype]
@@ -273,11 +289,13 @@ def compute(
     workload = build_workload(cfg.workload, cfg.model, head.weight, seed=cfg.seed, dtype=dtype)
     cells = plan_cells(cfg.layout, workload)
     filler = Filler(*workload.filler(filler_rows_needed(cells), cfg.model.vocab_size))
-    reference = run_reference(cells[0], workload, head.weight, filler, profile.vocab_tile)
-    observed["reference"] = unique_provenance(reference)
+    computed = Computed(workload=workload)
+    computed.reference = run_reference(cells[0], workload, head.weight, filler, profile.vocab_tile)
+    observed["reference"] = unique_provenance(computed.reference)
+    logits_dtype = EXECUTION_DTYPES[profile.logits_dtype or profile.execution_dtype]
+    bound = kernels.rounding_bound(workload.hidden, head.weight, workload.targets, logits_dtype=logits_dtype)
+    computed.bound = {"logp": bound.logp, "lse": bound.lse}
     candidate = partial(op, tp_mode=cfg.tp_mode)
-    results = []
-    stopped = ""
     # Distributed ranks are spawned once per run and serve every call of every cell.
     ranks = (
         kernels.distributed_ranks(profile.backend_family, cfg.tp, profile.vocab_tile, profile.device)
@@ -288,34 +306,35 @@ def compute(
         for number, cell in enumerate(cells, start=1):
             log.info("cell %d/%d %s: %d kernel calls", number, len(cells), cell.name, len(cell.calls))
             try:
-                results.append(run_cell(cell, workload, head.weight, filler, candidate))
+                computed.results.append(run_cell(cell, workload, head.weight, filler, candidate))
             except kernels.BackendUnavailableError as err:
-                stopped = str(err)
-                verdicts.append(provenance_verdict(cell.name, required, [], profile.backend_family, error=stopped))
+                computed.stopped = str(err)
+                verdicts.append(provenance_verdict(cell.name, required, [], profile.backend_family, error=str(err)))
                 break
             except kernels.ProvenanceMismatchError as err:
-                stopped = str(err)
+                computed.stopped = str(err)
                 verdicts.append(
-                    provenance_verdict(cell.name, required, [err.observed], profile.backend_family, error=stopped)
+                    provenance_verdict(cell.name, required, [err.observed], profile.backend_family, error=str(err))
                 )
                 break
-    for result in results:
+    for result in computed.results:
         observed[result.cell.name] = unique_provenance(result)
         verdicts.append(provenance_verdict(result.cell.name, required, result.provenance, profile.backend_family))
-    return results, reference, workload, stopped
+    return computed
 
 
-def judge(results: list[CellResult], reference: CellResult, workload, contract: Contract, dtype: str) -> list[Verdict]:
+def judge(computed: Computed, standard: Standard) -> list[Verdict]:
+    results, reference, workload = computed.results, computed.reference, computed.workload
     if not results:
         return []
     canonical = results[0]
     verdicts = []
     for result in results:
-        verdicts += forward_accuracy(result, reference, workload, contract, dtype)
+        verdicts += forward_accuracy(result, reference, workload, standard)
     for result in results[1:]:
-        verdicts += forward_invariance(result, canonical, workload, contract, dtype)
-    verdicts += chain_aggregates(canonical, reference, workload, contract, dtype)
-    verdicts += smoke(canonical, workload, (contract.roles_for("forward_accuracy")[0], "invariants"))
+        verdicts += forward_invariance(result, canonical, workload, standard)
+    verdicts += chain_aggregates(canonical, reference, workload, standard)
+    verdicts += smoke(canonical, workload, (standard.contract.roles_for("forward_accuracy")[0], "invariants"))
     return verdicts
 
 
@@ -328,10 +347,11 @@ def unique_provenance(result: CellResult) -> list[dict[str, Any]]:
     return list(seen.values())
 
 
-def tokens_table(run, results: list[CellResult], reference: CellResult | None, workload):
+def tokens_table(run, computed: Computed):
     """One row per (cell, sample_id, position)."""
+    workload, reference = computed.workload, computed.reference
     columns: dict[str, list] = {name: [] for name in TOKENS_SCHEMA.names}
-    for result in results:
+    for result in computed.results:
         count = workload.num_tokens
         columns["cell"] += [result.cell.name] * count
         columns["sample_id"] += workload.sample_ids.tolist()
@@ -341,6 +361,9 @@ def tokens_table(run, results: list[CellResult], reference: CellResult | None, w
         columns["logp"] += result.logp.float().tolist()
         columns["lse"] += result.lse.float().tolist()
         columns["ref_logp"] += reference.logp.double().tolist()
+        columns["ref_lse"] += reference.lse.double().tolist()
+        columns["logp_bound"] += computed.bound["logp"].tolist()
+        columns["lse_bound"] += computed.bound["lse"].tolist()
         columns["owner_rank"] += result.owner_rank.tolist()
     return build_table(TOKENS_SCHEMA, run, columns, len(columns["cell"]))
 

@@ -36,6 +36,7 @@ RUN_COLUMNS = pa.schema(
         ("config_fingerprint", pa.string()),
         ("weight_hash", pa.string()),
         ("workload", pa.string()),
+        ("seed", pa.int64()),
         ("contract_version", pa.string()),
         ("contract_sha256", pa.string()),
     ]
@@ -51,6 +52,9 @@ TOKENS_SCHEMA = pa.schema(
         ("logp", pa.float32()),
         ("lse", pa.float32()),
         ("ref_logp", pa.float64()),
+        ("ref_lse", pa.float64()),
+        ("logp_bound", pa.float64()),  # the rounding model's allowance of |logp - ref_logp| (kernels.rounding_bound)
+        ("lse_bound", pa.float64()),
         ("owner_rank", pa.int64()),
     ]
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,7 @@ from rlsweep.tensor_files import TensorFile
 
 POSITION_BITS = 24  # counter key of a token: sample_id << POSITION_BITS | position
 MAX_SEQ_LEN = 1 << POSITION_BITS  # a longer sample's positions would spill into the next sample's keys
+MAX_HIDDEN_SCALE = 64.0  # logits of std 4 * 64 = 256 still sit far inside bf16's range
 REPLAY_TENSORS = ("hidden_states", "target_ids", "seq_lens")
 REPLAY_OPTIONAL = ("active_mask",)
 
@@ -90,7 +92,9 @@ def synthetic_workload(config: WorkloadConfig, weight: torch.Tensor, *, seed: in
     positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in config.seq_lens])
     active = torch.cat([torch.arange(n) >= p for n, p in zip(config.seq_lens, config.prompt_lens, strict=True)])
     keys = token_keys(sample_ids, positions)
-    hidden = normal_matrix(seed, "hidden", keys.to(weight.device), weight.shape[1], scale=1.0, dtype=dtype)
+    hidden = normal_matrix(
+        seed, "hidden", keys.to(weight.device), weight.shape[1], scale=config.hidden_scale, dtype=dtype
+    )
     targets = torch.full_like(sample_ids, kernels.IGNORE_INDEX)
     targets[active] = sample_targets(hidden[active.to(hidden.device)], weight, keys[active], seed=seed)
     return Workload(
@@ -114,6 +118,8 @@ def workload_shape(config: WorkloadConfig, model: ModelConfig) -> WorkloadShape:
     if config.source == "replay":
         return replay_shape(config, model)
     check_lengths(config)
+    if not (math.isfinite(config.hidden_scale) and 0 < config.hidden_scale <= MAX_HIDDEN_SCALE):
+        raise ConfigError(f"workload.hidden_scale={config.hidden_scale!r} must be in (0, {MAX_HIDDEN_SCALE:g}]")
     return WorkloadShape(
         tuple(config.seq_lens), tuple(n - p for n, p in zip(config.seq_lens, config.prompt_lens, strict=True))
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -37,10 +38,15 @@ class Completed:
     directory: Path
 
 
-def run_rlsweep(directory: Path, *overrides: str) -> Completed:
-    """A real ``python -m rlsweep`` subprocess writing into ``directory``."""
+# The environment of a machine without CUDA, on any machine: what a CUDA profile meets on a CPU-only host.
+WITHOUT_CUDA = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def run_rlsweep(directory: Path, *overrides: str, env: dict[str, str] | None = None) -> Completed:
+    """A real ``python -m rlsweep`` subprocess writing into ``directory`` (``env``: added variables)."""
     command = [sys.executable, "-m", "rlsweep", f"hydra.run.dir={directory}", *overrides]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    environment = {**os.environ, **(env or {})}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment)
     return Completed(done.returncode, done.stdout, done.stderr, directory)
 
 

@@ -12,9 +12,11 @@ from rlsweep.contract import (
     BITWISE_JUDGMENTS,
     CHAIN_METRICS,
     CONTRACT_DTYPES,
+    ROUNDING_MODEL,
     contract_from_mapping,
     default_contract_path,
     load_contract,
+    op_class,
 )
 from rlsweep.errors import ContractError
 
@@ -24,16 +26,44 @@ def document():
     return OmegaConf.to_container(OmegaConf.load(default_contract_path()), resolve=True)
 
 
-def test_default_contract_loads_with_every_forward_row():
-    contract = load_contract()
-    assert contract.version == "v1"
+@pytest.mark.parametrize(("version", "accuracy_mode"), [("v2", ROUNDING_MODEL), ("v1", "tolerance")])
+def test_both_contracts_load_with_every_forward_row(version, accuracy_mode):
+    contract = load_contract(default_contract_path(version))
+    assert contract.version == version
     for dtype in CONTRACT_DTYPES:
+        op = op_class(dtype, None)
         for tensor in ("logp", "lse"):
-            assert contract.tolerance("forward_accuracy", tensor, dtype).mode == "tolerance"
-            assert contract.tolerance("forward_invariance", tensor, dtype).mode == "bitwise"
-            assert contract.tolerance("tp_invariance", tensor, dtype).mode == "bitwise"
-            assert contract.tolerance("tp_invariance", tensor, dtype, scope="fixed_topology").mode == "tolerance"
+            assert contract.tolerance("forward_accuracy", tensor, dtype, op=op).mode == accuracy_mode
+            assert contract.tolerance("forward_invariance", tensor, dtype, op=op).mode == "bitwise"
+            assert contract.tolerance("tp_invariance", tensor, dtype, op=op).mode == "bitwise"
+            fixed = contract.tolerance("tp_invariance", tensor, dtype, op=op, scope="fixed_topology")
+            assert fixed.mode == accuracy_mode
         assert set(CHAIN_METRICS) <= set(vars(contract.chain_thresholds(dtype)))
+
+
+def test_v2_keys_rows_by_op_class_so_two_bf16_profiles_differ():
+    contract = load_contract()
+    assert contract.tolerance("forward_accuracy", "logp", "bfloat16", op="logits_float32").mode == ROUNDING_MODEL
+    with pytest.raises(ContractError, match="op class 'logits_bfloat16'"):
+        contract.tolerance("forward_accuracy", "logp", "float32", op="logits_bfloat16")
+
+
+def test_a_rounding_model_row_carries_no_figure(document):
+    bad = copy.deepcopy(document)
+    bad["judgments"]["forward_accuracy"]["rows"]["logp"]["bfloat16"]["logits_bfloat16"]["atol"] = 0.5
+    with pytest.raises(ContractError, match="a rounding_model row has only 'mode'"):
+        contract_from_mapping(bad)
+
+
+def test_rounding_model_rows_judge_by_the_bound_and_report_its_share():
+    row = load_contract().tolerance("forward_accuracy", "logp", "bfloat16", op="logits_bfloat16")
+    lhs, rhs = torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([-1.05, -2.0, -3.3])
+    within = row.check(lhs, rhs, torch.tensor([0.1, 0.1, 0.4]))
+    assert within.passed and abs(within.max_ratio - 0.75) < 1e-6 and row.threshold == 1.0
+    beyond = row.check(lhs, rhs, torch.tensor([0.1, 0.1, 0.2]))
+    assert not beyond.passed and beyond.first_index == 2 and beyond.mismatches == 1
+    with pytest.raises(ContractError, match="needs a bound"):
+        row.check(lhs, rhs)
 
 
 @pytest.mark.parametrize("judgment", BITWISE_JUDGMENTS)
@@ -59,7 +89,8 @@ def test_require_all_false_is_rejected(document):
         contract_from_mapping(bad)
 
 
-def test_sha256_ignores_the_pin_and_int_float_spelling_but_not_thresholds(document):
+def test_sha256_ignores_the_pin_and_int_float_spelling_but_not_thresholds():
+    document = OmegaConf.to_container(OmegaConf.load(default_contract_path("v1")), resolve=True)
     base = contract_from_mapping(document).sha256
     pinned = copy.deepcopy(document)
     pinned["expected_sha256"] = base
@@ -73,12 +104,15 @@ def test_sha256_ignores_the_pin_and_int_float_spelling_but_not_thresholds(docume
 
 
 def test_bitwise_check_compares_bit_patterns():
-    row = load_contract().tolerance("forward_invariance", "lse", "float32")
+    row = load_contract().tolerance("forward_invariance", "lse", "float32", op="logits_float32")
     result = row.check(torch.tensor([1.0, 0.0, 2.0]), torch.tensor([1.0, -0.0, 2.0]))
     assert not result.passed and result.first_index == 1 and result.mismatches == 1
 
 
-def test_tolerance_check_fails_on_nan():
-    row = load_contract().tolerance("forward_accuracy", "logp", "bfloat16")
-    result = row.check(torch.tensor([-1.0, float("nan")]), torch.tensor([-1.0, -2.0]))
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_accuracy_check_fails_on_nan(version):
+    row = load_contract(default_contract_path(version)).tolerance(
+        "forward_accuracy", "logp", "bfloat16", op="logits_bfloat16"
+    )
+    result = row.check(torch.tensor([-1.0, float("nan")]), torch.tensor([-1.0, -2.0]), torch.tensor([0.5, 0.5]))
     assert not result.passed and result.first_index == 1

@@ -1,4 +1,9 @@
-"""Every backend against the float64 reference, within the contract's forward_accuracy rows."""
+"""Every backend against the float64 reference, within the rounding-error model's bound, token by token.
+
+The bound (``kernels.rounding_bound``, derived in docs/contract.md) is what the contract's v2 accuracy rows
+judge by; it is a proof, not a calibration, so no seed can make a correct kernel fail and these tests do
+not depend on luck.
+"""
 
 from __future__ import annotations
 
@@ -7,23 +12,26 @@ import torch
 from conftest import LOGIT_STD, triton_runs_on
 
 import kernels
-from rlsweep.contract import load_contract
 
-CONTRACT = load_contract()
 CANDIDATES = ["aten", "triton", "control"]
+# Two seeds that broke a fixed-atol version of this test, then 28 more: a fixed list, so a failure repeats.
+SEEDS = [1455782583, 1417221581, *range(1, 29)]
 
 
-def assert_within_contract(result, reference, dtype: torch.dtype, seed: int) -> None:
+def assert_within_bound(result, reference, inp, dtype: torch.dtype) -> None:
+    bound = kernels.rounding_bound(inp.hidden, inp.weight, inp.targets, logits_dtype=dtype)
     for tensor in ("logp", "lse"):
-        tol = CONTRACT.tolerance("forward_accuracy", tensor, kernels.dtype_name(dtype))
-        got = getattr(result, tensor).double().cpu()
-        want = getattr(reference, tensor).cpu()
-        err = (got - want).abs()
-        bound = tol.atol + tol.rtol * want.abs()
-        worst = int((err - bound).argmax())
-        assert bool((err <= bound).all()), (
-            f"{tensor} off by {err[worst]:.3e} at row {worst} (bound {bound[worst]:.3e}, seed {seed})"
+        err = (getattr(result, tensor).double().cpu() - getattr(reference, tensor).cpu()).abs()
+        allowed = getattr(bound, tensor)
+        worst = int((err / allowed).nan_to_num(nan=float("inf")).argmax())
+        assert bool((err <= allowed).all()), (
+            f"{tensor} off by {err[worst]:.3e} at row {worst}, bound {allowed[worst]:.3e} (seed {inp.seed})"
         )
+
+
+def skip_unless_runnable(backend: str, device: str) -> None:
+    if backend == "triton" and not triton_runs_on(device):
+        pytest.skip("triton needs CUDA or TRITON_INTERPRET=1")
 
 
 @pytest.mark.parametrize("backend", CANDIDATES)
@@ -34,8 +42,7 @@ def assert_within_contract(result, reference, dtype: torch.dtype, seed: int) -> 
     ids=["multiple-of-tile", "ragged", "gpt2-vocab"],
 )
 def test_lm_head_logprob_matches_float64(backend, dtype, vocab, vocab_tile, device, make_inputs):
-    if backend == "triton" and not triton_runs_on(device):
-        pytest.skip("triton needs CUDA or TRITON_INTERPRET=1")
+    skip_unless_runnable(backend, device)
     inp = make_inputs(24, 96, vocab, dtype, device)
     reference = kernels.lm_head_logprob(inp.hidden, inp.weight, inp.targets, backend="reference")
     logit_std = (inp.hidden.double() @ inp.weight.double().T).std().item()
@@ -45,7 +52,18 @@ def test_lm_head_logprob_matches_float64(backend, dtype, vocab, vocab_tile, devi
 
     assert result.logp.dtype == torch.float32 and result.lse.dtype == torch.float32
     assert result.provenance.nodes["matmul"].out_dtype == kernels.dtype_name(dtype)
-    assert_within_contract(result, reference, dtype, inp.seed)
+    assert_within_bound(result, reference, inp, dtype)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("backend", CANDIDATES)
+def test_bf16_accuracy_holds_for_every_listed_seed(backend, seed, device, make_inputs):
+    """Shapes that are not powers of two (17 rows, H = 80, V = 3001), one fixed seed each."""
+    skip_unless_runnable(backend, device)
+    inp = make_inputs(17, 80, 3001, torch.bfloat16, device, seed=seed)
+    reference = kernels.lm_head_logprob(inp.hidden, inp.weight, inp.targets, backend="reference")
+    result = kernels.lm_head_logprob(inp.hidden, inp.weight, inp.targets, backend=backend, vocab_tile=256)
+    assert_within_bound(result, reference, inp, torch.bfloat16)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -56,7 +74,7 @@ def test_aten_tp_is_accurate_and_its_bitwise_tp_invariance_is_recorded(tp, dtype
     tp1 = kernels.lm_head_logprob(inp.hidden, inp.weight, inp.targets, backend="aten", vocab_tile=256)
     sharded = kernels.lm_head_logprob(inp.hidden, inp.weight, inp.targets, backend="aten", tp=tp, vocab_tile=256)
 
-    assert_within_contract(sharded, reference, dtype, inp.seed)
+    assert_within_bound(sharded, reference, inp, dtype)
     # A finding, not a requirement: stock PyTorch's TP merge is a different reduction than log_softmax.
     record_property("aten_tp_bitwise_logp", kernels.first_bit_difference(tp1.logp, sharded.logp) is None)
     record_property("aten_tp_bitwise_lse", kernels.first_bit_difference(tp1.lse, sharded.lse) is None)

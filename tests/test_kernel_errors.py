@@ -83,3 +83,35 @@ def test_distributed_with_more_ranks_than_gpus_fails_before_any_work():
     hidden, weight, targets = (t.cuda() for t in good_inputs())
     with pytest.raises(kernels.TPConfigError, match=r"tp=2 needs 2 GPUs \(one per rank\); this machine has 1"):
         kernels.lm_head_logprob(hidden, weight, targets, backend="triton", tp=2, tp_mode="distributed", vocab_tile=64)
+
+
+@pytest.mark.interpreter  # the CPU limit is the Triton interpreter's
+def test_vocab_tile_wider_than_a_triton_block_is_refused_before_any_launch(monkeypatch):
+    from triton.language import TRITON_MAX_TENSOR_NUMEL
+
+    from kernels import triton_backend, triton_kernels
+
+    limit = kernels.BACKENDS["triton"].max_vocab_tile(torch.device("cpu"))
+    assert limit * triton_backend.INTERPRETER_PARTIAL_ROWS == TRITON_MAX_TENSOR_NUMEL  # the block is rows x tile
+    hidden, weight, targets = good_inputs()
+
+    # The widest tile runs (and agrees with float64); the next power of two is one Triton refuses, untyped.
+    result = kernels.lm_head_logprob(hidden, weight, targets, backend="triton", vocab_tile=limit)
+    reference = kernels.lm_head_logprob(hidden, weight, targets, backend="reference")
+    torch.testing.assert_close(result.lse.double(), reference.lse, rtol=1e-5, atol=1e-5)
+    partials = torch.empty(hidden.shape[0], 1)
+    with pytest.raises(Exception, match=rf"numel \({2 * limit * triton_backend.INTERPRETER_PARTIAL_ROWS}\) exceeds"):
+        triton_kernels.tile_partials_kernel[(1, 1)](
+            torch.zeros(hidden.shape[0], 2 * limit), partials, partials, hidden.shape[0], 2 * limit, 2 * limit, 1,
+            ROWS=triton_backend.INTERPRETER_PARTIAL_ROWS, TILE=2 * limit,
+        )  # fmt: skip
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a kernel was launched")
+
+    monkeypatch.setattr(triton_backend, "launch_triton", no_launch)
+    match = rf"vocab_tile={2 * limit} is wider than backend 'triton' can reduce on cpu: .* \[16, {limit}\]"
+    with pytest.raises(kernels.TPConfigError, match=match):
+        kernels.lm_head_logprob(hidden, weight, targets, backend="triton", vocab_tile=2 * limit)
+    with pytest.raises(kernels.TPConfigError, match=match):
+        kernels.logprob(hidden @ weight.T, targets, backend="triton", vocab_tile=2 * limit)

@@ -70,6 +70,7 @@ def test_triton_is_bitwise_tp_invariant(dtype, triton_device, make_inputs):
         assert sharded.provenance.nodes["tp_merge"].config["tiles"] == padded // TILE
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("tp", [2, 4])
 def test_triton_distributed_gloo_equals_emulated(tp, make_inputs):
     if not triton_runs_on("cpu"):
@@ -86,6 +87,7 @@ def test_triton_distributed_gloo_equals_emulated(tp, make_inputs):
         assert kernels.first_bit_difference(a.double(), b.double()) is None, f"{name} differs (seed {inp.seed})"
 
 
+@pytest.mark.interpreter
 def test_one_rank_group_serves_many_calls_and_follows_a_new_weight(make_inputs):
     if not triton_runs_on("cpu"):
         pytest.skip("gloo ranks run the Triton interpreter on the CPU")

@@ -18,7 +18,7 @@ from kernels.triton_backend import INTERPRETER_TILING, TritonBackend
 ROWS, HIDDEN, VOCAB, TILE = 3, 16, 40, 16
 BUILTIN = tuple(kernels.BACKENDS)  # read at import, before any test registers a toy backend
 TRITON_DECLARED = kernels.BACKENDS["triton"].declared_kernels
-needs_triton = pytest.mark.skipif(not triton_runs_on("cpu"), reason="Triton interpreter is off")
+needs_triton = pytest.mark.interpreter
 
 pytestmark = pytest.mark.usefixtures("isolated_registries")
 

@@ -7,10 +7,10 @@ import re
 import pandas as pd
 import pytest
 import torch
-from rlsweep_fixtures import compose_run, execute_run, run_rlsweep, tables_left
+from rlsweep_fixtures import WITHOUT_CUDA, compose_run, execute_run, run_rlsweep, tables_left
 from safetensors.torch import save_file
 
-from rlsweep.contract import load_contract
+from rlsweep.contract import load_contract, op_class
 from rlsweep.errors import ConfigError, ContractError, OutputDirError, ReplayInputError
 from rlsweep.tables import TOKENS_TABLE
 
@@ -52,13 +52,15 @@ def test_replay_logp_matches_float64_answers_within_the_contract(tmp_path):
     logits = tensors["hidden_states"].double() @ tensors["weight"].double().T
     answers = logits.gather(1, tensors["target_ids"][:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
     tokens = pd.read_parquet(tmp_path / "run" / TOKENS_TABLE)
-    row = load_contract().tolerance("forward_accuracy", "logp", compose_run().profile.execution_dtype)
+    dtype = compose_run().profile.execution_dtype
+    row = load_contract().tolerance("forward_accuracy", "logp", dtype, op=op_class(dtype, None))
     for _, cell in tokens.groupby("cell"):
         cell = cell.sort_values(["sample_id", "position"])
         active = torch.tensor(cell.active.to_numpy())
         assert torch.equal(active, tensors["active_mask"])
         logp = torch.tensor(cell.logp.to_numpy(), dtype=torch.float64)
-        assert row.check(logp[active], answers[active]).passed
+        bound = torch.tensor(cell.logp_bound.to_numpy())
+        assert row.check(logp[active], answers[active], bound[active]).passed
         assert torch.allclose(torch.tensor(cell.ref_logp.to_numpy())[active], answers[active], rtol=0, atol=1e-9)
 
 
@@ -163,9 +165,7 @@ CLI_BAD_INPUTS = {
 @pytest.mark.parametrize("case", sorted(CLI_BAD_INPUTS))
 def test_cli_bad_input_exit_code_and_one_paragraph(tmp_path, case):
     overrides, code, message = CLI_BAD_INPUTS[case]
-    if code == 2 and torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
-    done = run_rlsweep(tmp_path, "layout=smoke", *overrides)
+    done = run_rlsweep(tmp_path, "layout=smoke", *overrides, env=WITHOUT_CUDA)
     assert done.returncode == code
     assert message in done.stdout + done.stderr
     assert "Traceback" not in done.stderr

@@ -41,11 +41,11 @@ def test_negative_control_sweep_is_red(tmp_path):
     assert check_main([str(tmp_path)]) == 2
 
 
-def test_aten_tp_rows_are_judged_by_tolerance_and_say_whether_bitwise(tmp_path):
+def test_aten_tp_rows_are_judged_by_the_rounding_model_and_say_whether_bitwise(tmp_path):
     done = multirun(tmp_path, "profile=cpu_bf16", *SMALL)
     assert done.returncode == 0, done.stdout + done.stderr
     tp_rows = sweep_checks(tmp_path).query("judgment == 'tp_invariance'")
-    assert len(tp_rows) and (tp_rows["metric"] == "max_abs_diff").all()
+    assert len(tp_rows) and (tp_rows["metric"] == "max_error_over_bound").all() and (tp_rows["threshold"] == 1).all()
     assert tp_rows["detail"].str.contains(r"also bitwise: (?:True|False)").all()
     assert "of which also bitwise" in (tmp_path / SUMMARY_FILE).read_text()
 

@@ -1,0 +1,91 @@
+"""How far a logprob kernel may be from the float64 reference because of where it rounds (docs/contract.md).
+
+A kernel that computes logits from hidden[T, H] and weight[V, H] with fp32 accumulation, stores them in
+``logits_dtype`` with round-to-nearest-even, and reduces them in fp32, is within ``rounding_bound`` of
+the float64 logp and lse of the same inputs, token by token. The derivation is in docs/contract.md:
+
+    e_j    = gamma(H) * (|h| @ |W|.T)_j  (+ half an ulp of logits_dtype at |x_j| + that, if it is narrower)
+    lse    : |lse~ - lse| <= lse(x + e) - lse(x) + a          (lse(x + e) - lse(x) = log sum_j p_j exp(e_j))
+    logp   : |logp~ - logp| <= e_t + lse(x + e) - lse(x) + a
+    a      = gamma(V + 8) + 4 u (|lse| + |x_t| + log V)       (the fp32 exp-sum, log and subtractions)
+
+with u = 2**-24 (fp32) and gamma(n) = n u / (1 - n u).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kernels.validation import IGNORE_INDEX
+
+FP32_UNIT_ROUNDOFF = 2.0**-24
+# Significand bits (with the implicit one) and the smallest normal exponent of each logits dtype.
+SIGNIFICAND_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
+MIN_NORMAL_EXPONENT = {torch.bfloat16: -126, torch.float16: -14, torch.float32: -126}
+BOUND_CHUNK_ELEMENTS = 1 << 24  # float64 working set per chunk of rows: a few of [rows, V]
+
+
+@dataclass(frozen=True)
+class RoundingBound:
+    """Per-row float64 bounds [T] on |candidate - reference| for logp (0 on inactive rows) and lse."""
+
+    logp: torch.Tensor
+    lse: torch.Tensor
+
+
+def gamma(n: int | float) -> float:
+    """Higham's gamma_n for fp32: the relative error bound of n roundings."""
+    nu = n * FP32_UNIT_ROUNDOFF
+    if nu >= 1:
+        raise ValueError(f"gamma({n}) is unbounded in fp32 (n * u >= 1)")
+    return nu / (1 - nu)
+
+
+def half_ulp(magnitude: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Half the spacing of ``dtype`` around ``magnitude`` >= 0 (float64): round-to-nearest's largest error."""
+    if dtype not in SIGNIFICAND_BITS:
+        raise ValueError(f"no rounding model for logits dtype {dtype}; known: {list(SIGNIFICAND_BITS)}")
+    _, exponent = torch.frexp(magnitude)  # magnitude = m * 2**exponent, 0.5 <= m < 1 (0 for 0)
+    # Zero and the subnormals share the smallest normal binade's spacing.
+    binade = torch.where(magnitude == 0, MIN_NORMAL_EXPONENT[dtype], exponent - 1)
+    binade = torch.clamp(binade, min=MIN_NORMAL_EXPONENT[dtype])
+    return torch.ldexp(torch.ones_like(magnitude), binade - SIGNIFICAND_BITS[dtype])
+
+
+def logit_errors(hidden: torch.Tensor, weight: torch.Tensor, logits_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """float64 logits x[rows, V] and the bound e[rows, V] on |stored logit - x| (fp32 accumulation, then storage)."""
+    h, w = hidden.double(), weight.double()
+    x = h @ w.T
+    errors = gamma(h.shape[1]) * (h.abs() @ w.abs().T)
+    if SIGNIFICAND_BITS[logits_dtype] < SIGNIFICAND_BITS[torch.float32]:
+        errors = errors + half_ulp(x.abs() + errors, logits_dtype)
+    return x, errors
+
+
+def rounding_bound(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, logits_dtype: torch.dtype
+) -> RoundingBound:
+    """Bounds [T] (float64, on the CPU) for hidden[T, H], weight[V, H], targets[T] (IGNORE_INDEX rows: logp 0).
+
+    Computed where the inputs live, a chunk of rows at a time, so the float64 working set stays small.
+    """
+    vocab = weight.shape[0]
+    chunk = max(1, BOUND_CHUNK_ELEMENTS // max(vocab, 1))
+    logp_parts, lse_parts = [], []
+    for rows in torch.split(torch.arange(hidden.shape[0]), chunk):
+        rows = rows.to(hidden.device)
+        x, e = logit_errors(hidden[rows], weight, logits_dtype)
+        lse = torch.logsumexp(x, dim=1)
+        # log sum_j softmax(x)_j exp(e_j): bounds the lse error in both directions, first order and beyond.
+        spread = torch.logsumexp(x + e, dim=1) - lse
+        row_targets = targets[rows]
+        active = row_targets != IGNORE_INDEX
+        index = torch.where(active, row_targets, 0)[:, None]
+        x_t, e_t = x.gather(1, index)[:, 0], e.gather(1, index)[:, 0]
+        arithmetic = gamma(vocab + 8) + 4 * FP32_UNIT_ROUNDOFF * (lse.abs() + x_t.abs() + math.log(max(vocab, 2)))
+        lse_parts.append((spread + arithmetic).cpu())
+        logp_parts.append(torch.where(active, e_t + spread + arithmetic, torch.zeros_like(spread)).cpu())
+    return RoundingBound(torch.cat(logp_parts), torch.cat(lse_parts))
