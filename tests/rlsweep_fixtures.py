@@ -10,6 +10,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig, OmegaConf
+from safetensors.torch import save_file
 
 from rlsweep.config import register_configs
 from rlsweep.manifest import MANIFEST_FILE, identify
@@ -23,6 +24,20 @@ def compose_run(*overrides: str) -> DictConfig:
     """The run config exactly as ``python -m rlsweep <overrides>`` composes it."""
     with initialize_config_module("conf", version_base="1.3"):
         return compose("config", overrides=list(overrides))
+
+
+def write_replay(directory: Path, tensors: dict, hidden_size: int, vocab_size: int) -> list[str]:
+    """Write the head (``tensors["weight"]``) and the capture (the rest); the overrides of a replay run reading them."""
+    save_file({"lm_head.weight": tensors["weight"]}, directory / "head.safetensors")
+    save_file({k: v for k, v in tensors.items() if k != "weight"}, directory / "capture.safetensors")
+    return [
+        "model=replay",
+        "workload=replay",
+        f"model.hidden_size={hidden_size}",
+        f"model.vocab_size={vocab_size}",
+        f"model.weights.path={directory / 'head.safetensors'}",
+        f"workload.path={directory / 'capture.safetensors'}",
+    ]
 
 
 def execute_run(cfg: DictConfig, directory: Path) -> RunOutcome:

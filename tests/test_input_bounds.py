@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from rlsweep_fixtures import compose_run, execute_run, run_rlsweep, tables_left
+from rlsweep_fixtures import compose_run, execute_run, run_rlsweep, tables_left, write_replay
 from safetensors.torch import save_file
 
 from rlsweep import environment
@@ -71,18 +71,8 @@ def replay_tensors(rows: int = sum(SEQ_LENS)) -> dict[str, torch.Tensor]:
 
 
 def replay_overrides(directory, tensors: dict[str, torch.Tensor]) -> list[str]:
-    """Write the head and the capture; the overrides of a replay run reading them."""
-    save_file({"lm_head.weight": tensors["weight"]}, directory / "head.safetensors")
-    save_file({k: v for k, v in tensors.items() if k != "weight"}, directory / "capture.safetensors")
-    return [
-        "model=replay",
-        "workload=replay",
-        f"model.hidden_size={HIDDEN}",
-        f"model.vocab_size={VOCAB}",
-        f"model.weights.path={directory / 'head.safetensors'}",
-        f"workload.path={directory / 'capture.safetensors'}",
-        "layout=smoke",
-    ]
+    """Write the head and the capture; the overrides of a smoke replay run reading them."""
+    return [*write_replay(directory, tensors, HIDDEN, VOCAB), "layout=smoke"]
 
 
 def test_replay_without_tokens_is_refused(tmp_path):

@@ -7,8 +7,7 @@ import re
 import pandas as pd
 import pytest
 import torch
-from rlsweep_fixtures import WITHOUT_CUDA, compose_run, execute_run, run_rlsweep, tables_left
-from safetensors.torch import save_file
+from rlsweep_fixtures import WITHOUT_CUDA, compose_run, execute_run, run_rlsweep, tables_left, write_replay
 
 from rlsweep.contract import load_contract, op_class
 from rlsweep.errors import ConfigError, ContractError, OutputDirError, ReplayInputError
@@ -31,22 +30,13 @@ def replay_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-def write_replay(directory, tensors: dict[str, torch.Tensor]) -> list[str]:
-    save_file({"lm_head.weight": tensors["weight"]}, directory / "head.safetensors")
-    save_file({k: v for k, v in tensors.items() if k != "weight"}, directory / "capture.safetensors")
-    return [
-        "model=replay",
-        "workload=replay",
-        f"model.hidden_size={HIDDEN}",
-        f"model.vocab_size={VOCAB}",
-        f"model.weights.path={directory / 'head.safetensors'}",
-        f"workload.path={directory / 'capture.safetensors'}",
-    ]
+def replay_run(directory, tensors: dict[str, torch.Tensor]) -> list[str]:
+    return write_replay(directory, tensors, HIDDEN, VOCAB)
 
 
 def test_replay_logp_matches_float64_answers_within_the_contract(tmp_path):
     tensors = replay_tensors()
-    overrides = write_replay(tmp_path, tensors)
+    overrides = replay_run(tmp_path, tensors)
     done = run_rlsweep(tmp_path / "run", *overrides, "layout=smoke")
     assert done.returncode == 0, done.stdout + done.stderr
     logits = tensors["hidden_states"].double() @ tensors["weight"].double().T
@@ -97,7 +87,7 @@ REPLAY_BAD_INPUTS = {
 @pytest.mark.parametrize("case", sorted(REPLAY_BAD_INPUTS))
 def test_bad_replay_input_names_the_value_and_leaves_no_table(tmp_path, case):
     tensors, message = REPLAY_BAD_INPUTS[case]
-    cfg = compose_run(*write_replay(tmp_path, tensors), "layout=smoke")
+    cfg = compose_run(*replay_run(tmp_path, tensors), "layout=smoke")
     with pytest.raises(ReplayInputError, match=re.escape(message)):
         execute_run(cfg, tmp_path / "run")
     assert tables_left(tmp_path / "run") == []
