@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 import kernels
 from rlsweep.errors import ContractError
 from rlsweep.manifest import canonical_sha256
+from rlsweep.mismatch import ALIAS_OF, BY_NAME, METRIC_NAMES, ActiveTokens
 
 CONTRACT_JUDGMENTS = (
     "forward_accuracy",
@@ -36,7 +37,8 @@ BITWISE_SCOPE = kernels.DeterminismScope.CROSS_TP_BITWISE.value
 COMPARISON_MODES = ("bitwise", "tolerance", "rounding_model")
 ROUNDING_MODEL = "rounding_model"  # |lhs - rhs| <= the per-token bound of kernels.rounding_bound (docs/contract.md)
 CONTRACT_DTYPES = kernels.EXECUTION_DTYPE_NAMES
-CHAIN_METRICS = ("max_abs_dlogp", "approx_kl0", "clipfrac0")
+# Every contract judges these chain metrics (v1's three); `judged_metrics` may add any of rlsweep.mismatch.METRICS.
+REQUIRED_CHAIN_METRICS = ("max_abs_dlogp", "approx_kl0", "clipfrac0")
 FORWARD_TENSORS = ("logp", "lse")
 GRADIENT_TENSORS = ("grad_hidden", "grad_weight")
 CONTRACT_TENSORS = FORWARD_TENSORS + GRADIENT_TENSORS
@@ -50,7 +52,7 @@ TOP_KEYS = ("version", PIN_KEY, "dtype_policy", "comparison_roles", "judgments",
 DTYPE_POLICY_KEYS = ("execution_dtype", "accumulation_dtype", "reference_dtype", "tf32", "fp8")
 ROLES_KEYS = ("roles", "judgments", "forbidden")
 ROW_KEYS = ("atol", "rtol", "mode")
-CHAIN_KEYS = ("over", "clip_interval", "require_all", "nonfinite", "empty_active_set", "thresholds")
+CHAIN_KEYS = ("over", "clip_interval", "require_all", "nonfinite", "empty_active_set", "judged_metrics", "thresholds")
 RowKey = tuple[str, str, str, str, str]  # (judgment, scope or "", tensor, dtype, op class or ANY_OP_CLASS)
 
 
@@ -113,34 +115,27 @@ class Tolerance:
 
 @dataclass(frozen=True)
 class ChainThresholds:
-    """Upper bounds of the chain logprob aggregates for one dtype: fixed figures, or from the rounding model."""
+    """Limits of the judged chain metrics for one dtype: fixed figures (metric -> figure), or the rounding model."""
 
-    max_abs_dlogp: float = math.nan
-    approx_kl0: float = math.nan
-    clipfrac0: float = math.nan
+    figures: Mapping[str, float]
     mode: str = "tolerance"
 
-    def of(self, metric: str, bound: torch.Tensor | None = None, clip: tuple[float, float] = (0.0, math.inf)) -> float:
-        """The limit of ``metric``; rounding_model: the aggregate if every token were at its bound[N] (float64).
+    def limits(self, metric: str, bound: torch.Tensor, tokens: ActiveTokens) -> tuple[float, float]:
+        """(lower, upper) of a judged metric over the active tokens; bound [N]: their rounding-model allowance.
 
-        exp(d) - 1 - d grows with |d| and is larger for d = +b than for -b; a token can leave the clip interval
-        only where its bound lets exp(+-b) reach it.
+        A fixed figure f bounds the value by f; for a signed metric, its distance from its value at dlogp = 0.
         """
-        if metric not in CHAIN_METRICS:
-            raise ContractError(f"unknown chain metric {metric!r}; known: {', '.join(CHAIN_METRICS)}")
-        if self.mode != ROUNDING_MODEL:
-            return getattr(self, metric)
-        if bound is None:
-            raise ContractError("rounding_model chain thresholds need the active tokens' bounds")
-        if not bound.numel():
-            return math.nan  # nothing to judge: the empty active set is a hard failure of its own
-        b = bound.double()
-        limits = {
-            "max_abs_dlogp": float(b.max()),
-            "approx_kl0": float((torch.exp(b) - 1 - b).mean()),
-            "clipfrac0": float(((torch.exp(b) > clip[1]) | (torch.exp(-b) < clip[0])).double().mean()),
-        }
-        return limits[metric]
+        if self.mode == ROUNDING_MODEL:
+            return BY_NAME[metric].limits(bound, tokens)
+        if metric not in self.figures:
+            raise ContractError(f"no chain figure for {metric!r}; the contract has {sorted(self.figures)}")
+        figure = self.figures[metric]
+        if not BY_NAME[metric].signed:
+            return -math.inf, figure
+        if not tokens.count:
+            return math.nan, math.nan
+        neutral = BY_NAME[metric].value(torch.zeros(tokens.count, dtype=torch.float64), tokens)
+        return neutral - figure, neutral + figure
 
 
 @dataclass(frozen=True)
@@ -155,6 +150,7 @@ class Contract:
     rows: Mapping[RowKey, Tolerance]
     clip_interval: tuple[float, float]
     chain: Mapping[str, ChainThresholds]
+    chain_metrics: tuple[str, ...]  # the judged ones, by their own names (rlsweep.mismatch.METRICS)
 
     def row_key(self, judgment: str, tensor: str, dtype: str, op: str, scope: str | None = None) -> RowKey:
         """The key of the row serving ``op`` (its own row, else one written for every op class)."""
@@ -246,7 +242,7 @@ def contract_from_mapping(document: Mapping[str, Any], *, source: str = "contrac
     reject_unknown(document["dtype_policy"], DTYPE_POLICY_KEYS, f"{source}: dtype_policy")
     roles = parse_roles(document["comparison_roles"], source)
     rows = parse_judgments(document["judgments"], source)
-    clip, chain = parse_chain(document["chain_logprob_aggregates"], source)
+    clip, judged, chain = parse_chain(document["chain_logprob_aggregates"], source)
     pin = document.get(PIN_KEY)
     if pin is not None and not isinstance(pin, str):
         raise ContractError(f"{source}: {PIN_KEY} must be a sha256 hex string or null, got {pin!r}")
@@ -259,6 +255,7 @@ def contract_from_mapping(document: Mapping[str, Any], *, source: str = "contrac
         rows=MappingProxyType(rows),
         clip_interval=clip,
         chain=MappingProxyType(chain),
+        chain_metrics=judged,
     )
 
 
@@ -348,7 +345,10 @@ def parse_tolerance(row: Mapping[str, Any], where: str) -> Tolerance:
     return Tolerance(atol=values["atol"], rtol=values["rtol"], mode=mode)
 
 
-def parse_chain(section: Mapping[str, Any], source: str) -> tuple[tuple[float, float], dict[str, ChainThresholds]]:
+def parse_chain(
+    section: Mapping[str, Any], source: str
+) -> tuple[tuple[float, float], tuple[str, ...], dict[str, ChainThresholds]]:
+    """(clip interval, judged metrics, thresholds by dtype); every dtype block covers exactly the judged metrics."""
     where = f"{source}: chain_logprob_aggregates"
     reject_unknown(section, CHAIN_KEYS, where)
     if section.get("require_all") is not True:
@@ -361,20 +361,49 @@ def parse_chain(section: Mapping[str, Any], source: str) -> tuple[tuple[float, f
     clip = section.get("clip_interval")
     if not isinstance(clip, (list, tuple)) or len(clip) != 2 or not 0 < clip[0] < 1 < clip[1]:
         raise ContractError(f"{where}.clip_interval must be [low, high] with 0 < low < 1 < high, got {clip!r}")
+    judged = parse_judged_metrics(section.get("judged_metrics", list(REQUIRED_CHAIN_METRICS)), where)
     chain = {}
     reject_unknown(section.get("thresholds", {}), CONTRACT_DTYPES, f"{where}.thresholds")
     for dtype, thresholds in section.get("thresholds", {}).items():
+        at = f"{where}.thresholds.{dtype}"
         if isinstance(thresholds, Mapping) and dict(thresholds) == {"mode": ROUNDING_MODEL}:
-            chain[dtype] = ChainThresholds(mode=ROUNDING_MODEL)
+            chain[dtype] = ChainThresholds(figures={}, mode=ROUNDING_MODEL)
             continue
-        if not isinstance(thresholds, Mapping) or set(thresholds) != set(CHAIN_METRICS):
+        if not isinstance(thresholds, Mapping):
             raise ContractError(
-                f"{where}.thresholds.{dtype}: need {{mode: {ROUNDING_MODEL}}} or exactly the metrics "
-                f"{list(CHAIN_METRICS)}, got {thresholds!r}"
+                f"{at}: need {{mode: {ROUNDING_MODEL}}} or a figure per judged metric, got {thresholds!r}"
             )
-        values = {metric: thresholds[metric] for metric in CHAIN_METRICS}
-        for metric, value in values.items():
+        check_metric_names(thresholds, at)
+        undeclared = sorted(set(thresholds) - set(judged))
+        missing = [f"{at}.{metric}" for metric in judged if metric not in thresholds]
+        if undeclared or missing:
+            raise ContractError(
+                f"{at}: need {{mode: {ROUNDING_MODEL}}} or exactly the judged metrics {list(judged)}; "
+                f"missing {missing or 'none'}, not in judged_metrics {undeclared or 'none'}"
+            )
+        for metric, value in thresholds.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ContractError(f"{where}.thresholds.{dtype}.{metric} must be a finite number >= 0, got {value!r}")
-        chain[dtype] = ChainThresholds(**{metric: float(value) for metric, value in values.items()})
-    return (float(clip[0]), float(clip[1])), chain
+                raise ContractError(f"{at}.{metric} must be a finite number >= 0, got {value!r}")
+        chain[dtype] = ChainThresholds(figures=MappingProxyType({m: float(v) for m, v in thresholds.items()}))
+    return (float(clip[0]), float(clip[1])), judged, chain
+
+
+def parse_judged_metrics(names: Any, where: str) -> tuple[str, ...]:
+    """A list of distinct metric names of rlsweep.mismatch.METRICS that holds REQUIRED_CHAIN_METRICS."""
+    if not isinstance(names, (list, tuple)) or len(set(names)) != len(names):
+        raise ContractError(f"{where}.judged_metrics must be a list of distinct metric names, got {names!r}")
+    check_metric_names(names, f"{where}.judged_metrics")
+    dropped = [metric for metric in REQUIRED_CHAIN_METRICS if metric not in names]
+    if dropped:
+        raise ContractError(f"{where}.judged_metrics must keep {list(REQUIRED_CHAIN_METRICS)}; it lacks {dropped}")
+    return tuple(names)
+
+
+def check_metric_names(names: Any, where: str) -> None:
+    """Contract rows are keyed by a metric's own name: an alias is judged with its twin, anything else is a typo."""
+    aliases = {name: ALIAS_OF[name] for name in names if name in ALIAS_OF}
+    if aliases:
+        raise ContractError(f"{where}: {aliases} are aliases (name: its metric); key the row by the metric's name")
+    unknown = sorted(str(name) for name in names if name not in METRIC_NAMES)
+    if unknown:
+        raise ContractError(f"{where}: unknown chain metric(s) {unknown}; known: {', '.join(METRIC_NAMES)}")

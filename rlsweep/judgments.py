@@ -17,10 +17,11 @@ import torch
 
 import kernels
 from rlsweep.config import ExpectedVerdictConfig
-from rlsweep.contract import CHAIN_METRICS, FORWARD_TENSORS, ROUNDING_MODEL, Contract, Tolerance
+from rlsweep.contract import FORWARD_TENSORS, ROUNDING_MODEL, Contract, Tolerance
 from rlsweep.errors import ConfigError
 from rlsweep.execute import CellResult
 from rlsweep.layouts import DECODE_CELL
+from rlsweep.mismatch import METRICS, ActiveTokens
 from rlsweep.workload import Workload
 
 RUN_JUDGMENTS = ("forward_accuracy", "forward_invariance", "chain_aggregates", "smoke", "provenance", "contract")
@@ -31,6 +32,8 @@ NOT_RUN = "not_run"  # the metric of a row whose judgment provenance prevented
 PER_METRIC = ("chain_aggregates", "smoke")  # judgments with one row per metric rather than per cell
 SMOKE_ROWS = (("logp,lse", "nonfinite_values"), ("logp", "max_logp"), ("logp", "active_tokens"))  # (tensor, metric)
 NO_CELL = ""  # lhs_cell/rhs_cell of verdicts that are not about a cell (contract, weight pin)
+# The detail's start of a chain row the contract has no row for: threshold NaN, passed and expected_pass true.
+REPORTED_ONLY = "reported, not judged"
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class Verdict:
     first_sample_id: int | None = None
     first_position: int | None = None
     detail: str = ""
+    judged: bool = True  # False: a reported-only row (REPORTED_ONLY), which no declaration can make expected red
 
     @property
     def as_expected(self) -> bool:
@@ -174,54 +178,40 @@ def forward_invariance(
     return verdicts
 
 
-def chain_metrics(dlogp: torch.Tensor, clip: tuple[float, float]) -> dict[str, float]:
-    """dlogp [N] float64 -> max_abs_dlogp, approx_kl0 = mean(exp(d) - 1 - d), clipfrac0."""
-    ratio = torch.exp(dlogp)
-    return {
-        "max_abs_dlogp": float(dlogp.abs().max()),
-        "approx_kl0": float((ratio - 1 - dlogp).mean()),
-        "clipfrac0": float(((ratio < clip[0]) | (ratio > clip[1])).double().mean()),
-    }
-
-
 def chain_aggregates(
     canonical: CellResult, reference: CellResult, workload: Workload, standard: Standard
 ) -> list[Verdict]:
-    """Every aggregate must pass (require_all); NaN/Inf or an empty active set fails every metric."""
+    """One row per name of rlsweep.mismatch.METRICS: dlogp = canonical - reference over the active tokens.
+
+    Every metric the contract judges must pass (require_all); NaN/Inf dlogp, an empty active set or a non-finite
+    value fails it. The others are reported (REPORTED_ONLY), never judged.
+    """
     contract = standard.contract
     roles = contract.roles_for("chain_logprob_aggregates")
     cells = (canonical.cell.name, reference.cell.name)
     thresholds = contract.chain_thresholds(standard.dtype)
+    source = "rounding-model limits" if thresholds.mode == ROUNDING_MODEL else "contract figures"
     rows = torch.nonzero(workload.active)[:, 0]
     dlogp = canonical.logp[rows].double() - reference.logp[rows].double()
+    tokens = ActiveTokens.of(workload.sample_ids[rows], reference.logp[rows], contract.clip_interval)
+    failure = ""
     if rows.numel() == 0:
-        values, failure = dict.fromkeys(CHAIN_METRICS, math.nan), "empty active set (hard failure)"
+        failure = "empty active set (hard failure)"
     elif not bool(torch.isfinite(dlogp).all()):
-        bad = int((~torch.isfinite(dlogp)).nonzero()[0, 0])
-        values, failure = (
-            dict.fromkeys(CHAIN_METRICS, math.nan),
-            f"non-finite dlogp at active token {bad} (hard failure)",
-        )
-    else:
-        values, failure = chain_metrics(dlogp, contract.clip_interval), ""
+        failure = f"non-finite dlogp at active token {int((~torch.isfinite(dlogp)).nonzero()[0, 0])} (hard failure)"
     verdicts = []
-    for metric in CHAIN_METRICS:
-        limit = thresholds.of(metric, standard.bound["logp"][rows], contract.clip_interval)
-        passed = not failure and values[metric] <= limit
-        detail = failure or f"{metric} over {len(rows)} active tokens, dlogp = lhs - rhs, clip {contract.clip_interval}"
-        verdicts.append(
-            Verdict(
-                "chain_aggregates",
-                "logp",
-                *roles,
-                *cells,
-                metric=metric,
-                value=values[metric],
-                threshold=limit,
-                passed=passed,
-                detail=detail,
-            )
-        )
+    for metric in METRICS:
+        value = math.nan if failure else metric.value(dlogp, tokens)
+        about = failure or metric.describe(tokens)
+        row = Verdict("chain_aggregates", "logp", *roles, *cells, metric=metric.name, value=value,
+                      threshold=math.nan, passed=True, judged=False,
+                      detail=f"{REPORTED_ONLY}: contract {contract.version} has no row for it; {about}")  # fmt: skip
+        if metric.name in contract.chain_metrics:
+            lower, upper = thresholds.limits(metric.name, standard.bound["logp"][rows], tokens)
+            passed = not failure and math.isfinite(value) and lower <= value <= upper
+            within = f"{lower:.4g} <= value <= {upper:.4g}" if metric.signed else f"value <= {upper:.4g}"
+            row = replace(row, threshold=upper, passed=passed, judged=True, detail=f"{within} ({source}); {about}")
+        verdicts += [replace(row, metric=name) for name in metric.names]
     return verdicts
 
 
@@ -359,7 +349,9 @@ def apply_expected(verdicts: list[Verdict], declarations: Sequence[ExpectedVerdi
     """expected_pass = False where a declaration matches judgment, cell and tensor (strict, per row)."""
     out = []
     for verdict in verdicts:
-        expected_red = any(declares(d, verdict.judgment, verdict.lhs_cell, verdict.tensor) for d in declarations)
+        expected_red = verdict.judged and any(
+            declares(d, verdict.judgment, verdict.lhs_cell, verdict.tensor) for d in declarations
+        )
         out.append(replace(verdict, expected_pass=not expected_red))
     return out
 
@@ -417,7 +409,10 @@ def planned_verdicts(cells: Sequence[str], contract: Contract) -> list[Verdict]:
         for t in FORWARD_TENSORS
     ]
     planned += [
-        row("chain_aggregates", "logp", "chain_logprob_aggregates", canonical, canonical, m) for m in CHAIN_METRICS
+        row("chain_aggregates", "logp", "chain_logprob_aggregates", canonical, canonical, name)
+        for metric in METRICS
+        if metric.name in contract.chain_metrics
+        for name in metric.names
     ]
     planned += [row("smoke", t, "forward_accuracy", canonical, NO_CELL, m) for t, m in SMOKE_ROWS]
     return planned
