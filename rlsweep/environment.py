@@ -13,6 +13,7 @@ import torch
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 MEMINFO = Path("/proc/meminfo")
+CPUINFO = Path("/proc/cpuinfo")
 
 
 def git_commit() -> str | None:
@@ -33,7 +34,20 @@ def git_commit() -> str | None:
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo and its architecture, e.g. 'AMD EPYC (x86_64)'; else the architecture."""
+    try:
+        for line in CPUINFO.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                return f"{value.strip()} ({platform.machine()})"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def device_info(device: str) -> dict[str, Any]:
+    """The device a run computed on: the GPU's name, capability and count, or the CPU's name and torch's threads."""
     if device == "cuda" and torch.cuda.is_available():
         return {
             "name": torch.cuda.get_device_name(0),
@@ -41,7 +55,9 @@ def device_info(device: str) -> dict[str, Any]:
             "count": torch.cuda.device_count(),
             "cuda": torch.version.cuda,
         }
-    return {"name": platform.processor() or platform.machine(), "capability": None, "threads": torch.get_num_threads()}
+    if device == "cuda":  # the run stopped on provenance: say so rather than name the CPU as its device
+        return {"name": f"none: torch.cuda.is_available() is False on {cpu_name()}", "capability": None}
+    return {"name": cpu_name(), "capability": None, "threads": torch.get_num_threads()}
 
 
 def available_memory(device: str) -> tuple[int, str] | None:
@@ -72,6 +88,7 @@ def available_memory(device: str) -> tuple[int, str] | None:
 
 
 def environment(device: str) -> dict[str, Any]:
+    """Where a run computed: device, library versions, platform, git commit (the report's Environment section)."""
     try:  # the installed version, without importing triton (importing it fixes its interpreter mode)
         triton_version = importlib.metadata.version("triton")
     except importlib.metadata.PackageNotFoundError:  # pragma: no cover - triton is a dependency

@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
 from rlsweep.layouts import CANONICAL_CELL
 
@@ -22,6 +23,7 @@ EQUAL_COLOR = "#cdebd3"  # bitwise equal to the canonical cell: a pale green, no
 MISMATCH_CMAP = "OrRd"
 DARK_FRACTION = 0.55  # above this point of the colour scale the cell is dark enough for white text
 HEATMAP_FLOOR = 1e-8  # log scale needs a positive lower end when every differing value is tiny
+HISTOGRAM_COLOR, ATOL_COLOR = "#4c72b0", "#c44e52"
 
 
 def column_labels(columns: pd.DataFrame) -> list[str]:
@@ -76,9 +78,19 @@ def heatmap(grid: pd.DataFrame) -> Figure:
     ax.set_yticks(range(len(cells)), cells, fontsize=8)
     ax.tick_params(top=True, labeltop=True, bottom=False, labelbottom=False)
     plt.setp(ax.get_xticklabels(), rotation_mode="anchor")
+    ax.xaxis.set_label_position("top")
+    ax.set_xlabel(
+        "run: profile, tp" + "".join(f", {name}" for name in ("model", "tp_mode") if columns[name].nunique() > 1)
+    )
+    ax.set_ylabel("layout cell")
+    legend = [
+        Patch(facecolor=EQUAL_COLOR, edgecolor="#999999", label="0: bitwise equal on every active token"),
+        Patch(facecolor="white", edgecolor="#999999", label="—: cell not in that run"),
+    ]
+    fig.legend(handles=legend, loc="outside lower center", ncols=2, fontsize=8, frameon=False)
     ax.set_title(
         f"max |dlogp| of logp vs the canonical cell ({CANONICAL_CELL}) at the smallest tp\n"
-        "green 0 = bitwise equal on every active token; 'tok' = tokens whose bits differ",
+        "'tok' = active tokens whose bits differ from the canonical cell's",
         fontsize=9,
     )
     fig.colorbar(image, ax=ax, label="max |dlogp| (log scale)", shrink=0.8)
@@ -106,17 +118,18 @@ def histograms(accuracy: pd.DataFrame, atol: Mapping[str, float]) -> Figure:
     for ax, profile in zip(axes[:, 0], profiles, strict=True):
         values = accuracy.loc[accuracy["profile"] == profile, "dlogp"]
         tp = ", ".join(f"tp={tp}" for tp in sorted(accuracy.loc[accuracy["profile"] == profile, "tp"].unique()))
-        ax.hist(values[np.isfinite(values)], bins=bins, color="#4c72b0")
+        ax.hist(values[np.isfinite(values)], bins=bins, color=HISTOGRAM_COLOR, label="active tokens")
         if profile in atol:
-            for x in (-atol[profile], atol[profile]):
-                ax.axvline(x, color="#c44e52", linestyle="--", linewidth=1)
+            for x, label in ((-atol[profile], f"contract atol ±{atol[profile]:.3g}"), (atol[profile], None)):
+                ax.axvline(x, color=ATOL_COLOR, linestyle="--", linewidth=1, label=label)
+        ax.legend(fontsize=7, loc="upper right")
         ax.set_title(
             f"{profile} ({tp}, {CANONICAL_CELL}): {len(values)} active tokens, max |dlogp| {values.abs().max():.2e}, "
             f"mean {values.mean():+.2e}",
             fontsize=9,
         )
         ax.set_ylabel("tokens", fontsize=8)
-    axes[-1, 0].set_xlabel("dlogp = logp (candidate) - ref_logp (float64 reference); dashed: contract atol")
+    axes[-1, 0].set_xlabel("dlogp = logp (candidate) - ref_logp (float64 reference)")
     return fig
 
 

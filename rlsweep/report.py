@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -22,10 +23,12 @@ from rlsweep import analysis, plots
 from rlsweep.check import console_summary
 from rlsweep.errors import TablesNotFoundError
 from rlsweep.exitcodes import ExitCode, guarded
-from rlsweep.gate import GateResult, run_gate
+from rlsweep.gate import GateResult, RunTables, reported_only, run_gate
+from rlsweep.judgments import REPORTED_ONLY
 from rlsweep.layouts import CANONICAL_CELL
 from rlsweep.locks import locked
-from rlsweep.tables import write_tables
+from rlsweep.manifest import verify_run
+from rlsweep.tables import CHECKS_TABLE, read_metadata, write_tables
 
 PROG = "python -m rlsweep.report"
 REPORT_MARKDOWN = "report.md"
@@ -38,6 +41,19 @@ FIRST_DIVERGENCE = "first (sample, pos)"
 RED_COLUMNS = ["status", "profile", "tp", "judgment", "tensor", "lhs_cell", "rhs_cell", "metric", "value", "threshold"]
 RED_COLUMNS += [FIRST_DIVERGENCE, "run_dir"]
 RED_WORDS = tuple(code.word for code in ExitCode if code != ExitCode.GREEN)
+RED_GROUPS = ["status", "profile", "tp", "judgment"]  # report.html folds the red table into one <details> each
+CHAIN_JUDGMENT = "chain_aggregates"  # one of rlsweep.judgments.RUN_JUDGMENTS
+NOT_RECORDED = "not recorded"
+ENVIRONMENT_FIELDS = [
+    "device",
+    "python",
+    "torch",
+    "triton",
+    "git commit",
+    "sources sha256",
+    "contract",
+    "contract sha256",
+]
 
 
 @dataclass
@@ -48,6 +64,7 @@ class Section:
     paragraphs: list[str] = field(default_factory=list)
     table: pd.DataFrame | None = None
     image: str | None = None
+    fold_by: list[str] | None = None  # HTML only: one collapsible <details> per group of these columns
 
 
 def red_verdicts(checks: pd.DataFrame) -> pd.DataFrame:
@@ -84,9 +101,77 @@ def relative(run_dirs: pd.Series, root: Path) -> pd.Series:
     return run_dirs.astype(str).map(short)
 
 
-def build_sections(root: Path, result: GateResult, tokens: pd.DataFrame, checks: pd.DataFrame) -> list[Section]:
+def recorded_environment(run: RunTables) -> dict[str, Any]:
+    """What a run recorded of where it ran: its tables' ``environment`` metadata and its manifest's ``code``."""
+    state = verify_run(run.directory)
+    recorded = dict(read_metadata(state.files[CHECKS_TABLE]).get("environment", {}))
+    return {**recorded, "code": state.manifest.get("code", {})}
+
+
+def describe_device(device: str, recorded: dict[str, Any]) -> str:
+    """'cuda: NVIDIA H200; capability 9.0; 8 GPUs; CUDA 12.8' or 'cpu: AMD EPYC (x86_64); 2 threads'."""
+    info = recorded.get("device")
+    if not isinstance(info, dict) or not info.get("name"):
+        return f"{device}: name {NOT_RECORDED}"
+    details = {"capability": "capability {}", "count": "{} GPUs", "cuda": "CUDA {}", "threads": "{} threads"}
+    parts = [info["name"], *(text.format(info[key]) for key, text in details.items() if info.get(key))]
+    return f"{device}: " + "; ".join(map(str, parts))
+
+
+def environments(result: GateResult, root: Path) -> pd.DataFrame:
+    """One column per distinct environment (device, versions, code, contract), its first row the runs that ran in it."""
+    rows = []
+    for run in result.runs:
+        recorded = recorded_environment(run)
+        rows.append(
+            {
+                "device": describe_device(run.run["device"], recorded),
+                "python": recorded.get("python") or NOT_RECORDED,
+                "torch": recorded.get("torch") or NOT_RECORDED,
+                "triton": recorded.get("triton") or NOT_RECORDED,
+                "git commit": recorded.get("git_commit") or NOT_RECORDED,
+                "sources sha256": recorded["code"].get("sources_sha256") or NOT_RECORDED,
+                "contract": run.run["contract_version"],
+                "contract sha256": run.run["contract_sha256"],
+                "runs": str(run.directory),
+            }
+        )
+    frame = pd.DataFrame(rows, columns=[*ENVIRONMENT_FIELDS, "runs"])
+    frame["runs"] = relative(frame["runs"], root)
+    grouped = frame.groupby(ENVIRONMENT_FIELDS, sort=False)["runs"].agg(lambda runs: ", ".join(runs))
+    table = grouped.reset_index()[["runs", *ENVIRONMENT_FIELDS]].T  # one column per environment: long hashes fit
+    table.columns = [f"environment {number}" for number in range(1, len(table.columns) + 1)]
+    return table.rename_axis("").reset_index()
+
+
+def chain_entry(row: Any) -> str:
+    """One chain metric of one run: 'value / threshold', a failed one marked; an unthresholded one reported only."""
+    entry = f"{row.value:.4g}" if pd.isna(row.threshold) else f"{row.value:.4g} / {row.threshold:.4g}"
+    if row.passed != row.expected_pass:
+        return f"{entry} {RED}"
+    if not row.passed:
+        return f"{entry} ({EXPECTED_RED})"
+    return f"{entry} ({REPORTED_ONLY})" if row.reported else entry
+
+
+def chain_table(checks: pd.DataFrame, root: Path) -> pd.DataFrame:
+    """The chain_aggregates verdicts pivoted: one row per metric (in the order judged), one column per run."""
+    rows = checks[checks["judgment"] == CHAIN_JUDGMENT].astype({analysis.RUN_DIR: str, "metric": str, "tensor": str})
+    if rows["tensor"].nunique() > 1:  # the same metric of two tensors: two rows
+        rows = rows.assign(metric=rows["metric"] + " (" + rows["tensor"] + ")")
+    run_dirs = relative(rows[analysis.RUN_DIR], root)
+    run = rows["profile"].astype(str) + " tp=" + rows["tp"].astype(str) + " (" + run_dirs + ")"
+    rows = rows.assign(reported=reported_only(rows))
+    entries = rows.assign(run=run, entry=[chain_entry(row) for row in rows.itertuples()])
+    table = entries.pivot(index="metric", columns="run", values="entry")
+    table = table.loc[list(dict.fromkeys(entries["metric"])), list(dict.fromkeys(entries["run"]))]
+    return table.fillna("").reset_index().rename_axis(columns=None)
+
+
+def build_sections(root: Path, result: GateResult, checks: pd.DataFrame) -> list[Section]:
     counts = analysis.summary(checks, by=[analysis.RUN_DIR])
-    runs = tokens[[analysis.RUN_DIR, "profile", "model", "workload", "tp", "tp_mode"]].drop_duplicates()
+    run_rows = checks[checks[analysis.LEVEL] == analysis.RUN_LEVEL]  # every run has verdicts, not always tokens
+    runs = run_rows[[analysis.RUN_DIR, "profile", "model", "workload", "tp", "tp_mode"]].drop_duplicates()
     runs = runs.astype({analysis.RUN_DIR: str}).merge(counts.astype({analysis.RUN_DIR: str}), on=analysis.RUN_DIR)
     runs[analysis.RUN_DIR] = relative(runs[analysis.RUN_DIR], root)
     red = red_verdicts(checks)
@@ -99,8 +184,19 @@ def build_sections(root: Path, result: GateResult, tokens: pd.DataFrame, checks:
         f"({int((checks['level'] == analysis.SWEEP_LEVEL).sum())} across runs), {unexpected} not as expected, "
         f"{int((red['status'] == EXPECTED_RED).sum())} failed as declared (expected red)."
     )
+    chain = chain_table(checks, root)
     return [
         Section("Gate", [status, *[f"INCOMPLETE {line}" for line in result.incomplete], *result.notes]),
+        Section(
+            "Environment",
+            [
+                "Where the runs computed, as each recorded it (tables' metadata, manifest): one column per distinct "
+                "device, python, torch and triton versions, code and contract. 'git commit' ends in '+dirty' when "
+                "the checkout had uncommitted changes; 'sources sha256' hashes the kernels, rlsweep and conf sources "
+                "that ran, so it tells two dirty trees apart."
+            ],
+            environments(result, root),
+        ),
         Section("Runs", ["Verdict counts per run; run dirs relative to the report's input."], runs),
         Section(
             "Verdicts by profile, model, tp and judgment",
@@ -124,15 +220,30 @@ def build_sections(root: Path, result: GateResult, tokens: pd.DataFrame, checks:
             image=HISTOGRAM_PNG,
         ),
         Section(
+            "Chain aggregates: what the mismatch does to an RL update",
+            [
+                f"The {CHAIN_JUDGMENT} verdicts: each metric of the per-token dlogp of {CANONICAL_CELL} against the "
+                "float64 reference, per run (profile tp=N (run dir)). Each entry: value / threshold (the upper "
+                "limit; a signed metric also has a lower one, named in the verdict's detail); "
+                f"{RED}: failed though expected to pass; ({EXPECTED_RED}): failed as declared; ({REPORTED_ONLY}): "
+                "the contract has no row for that metric."
+            ]
+            if len(chain)
+            else [f"No {CHAIN_JUDGMENT} verdict (provenance stopped every kernel)."],
+            chain if len(chain) else None,
+        ),
+        Section(
             "Red verdicts",
             [
-                f"{RED!r}: failed though expected to pass; {RED_EXPECTED_RED!r}: a declared-red verdict that passed "
-                f"(the control lost its power); {EXPECTED_RED!r}: failed as declared. {FIRST_DIVERGENCE!r}: the first "
-                "diverging logical token (sample_id, position)."
+                f"All {len(red)} failed or not-as-expected verdicts, none left out. {RED!r}: failed though expected "
+                f"to pass; {RED_EXPECTED_RED!r}: a declared-red verdict that passed (the control lost its power); "
+                f"{EXPECTED_RED!r}: failed as declared. {FIRST_DIVERGENCE!r}: the first diverging logical token "
+                "(sample_id, position)."
             ]
             if len(red)
             else ["No failed verdict."],
             red if len(red) else None,
+            fold_by=RED_GROUPS,
         ),
     ]
 
@@ -163,6 +274,7 @@ th, td { border: 1px solid #ccc; padding: 0.2em 0.5em; text-align: left; white-s
 th { background: #f2f2f2; } tr:nth-child(even) td { background: #fafafa; }
 img { max-width: 100%; border: 1px solid #ddd; }
 .status-red { color: #b00020; font-weight: bold; }
+details { margin: 0.3em 0; } summary { cursor: pointer; }
 """
 
 
@@ -174,17 +286,36 @@ def html_paragraph(text: str) -> str:
     return "<p>" + "".join(parts) + "</p>"
 
 
+def html_table(frame: pd.DataFrame) -> str:
+    table = frame.to_html(index=False, escape=True, na_rep="", border=0)
+    for word in (RED, RED_EXPECTED_RED):  # the verdicts that make the gate red stand out
+        table = table.replace(f"<td>{html.escape(word)}</td>", f'<td class="status-red">{html.escape(word)}</td>')
+    return f'<div class="table">{table}</div>'  # a wide table scrolls, not the page
+
+
+def html_folded(frame: pd.DataFrame, by: list[str]) -> str:
+    """One closed <details> per group of ``by``; its summary names the group and counts its rows."""
+    blocks = []
+    for key, group in frame.groupby(by, sort=False):
+        label = " · ".join(
+            f"{name}={value}" if name == "tp" else str(value) for name, value in zip(by, key, strict=True)
+        )
+        red = ' class="status-red"' if key[0] != EXPECTED_RED else ""
+        rows = f"{len(group)} verdict" + ("s" if len(group) != 1 else "")
+        blocks.append(
+            f"<details><summary><span{red}>{html.escape(label)}</span>: {rows}</summary>"
+            f"{html_table(group.drop(columns=by))}</details>"
+        )
+    return "\n".join(blocks)
+
+
 def render_html(title: str, sections: Sequence[Section], images: dict[str, bytes]) -> str:
     body = [f"<h1>{html.escape(title)}</h1>"]
     for section in sections:
         body += [f"<h2>{html.escape(section.title)}</h2>", *map(html_paragraph, section.paragraphs)]
         if section.table is not None:
-            table = section.table.to_html(index=False, escape=True, na_rep="", border=0)
-            for word in (RED, RED_EXPECTED_RED):  # the verdicts that make the gate red stand out
-                table = table.replace(
-                    f"<td>{html.escape(word)}</td>", f'<td class="status-red">{html.escape(word)}</td>'
-                )
-            body.append(f'<div class="table">{table}</div>')  # a wide table scrolls, not the page
+            table = section.table
+            body.append(html_folded(table, section.fold_by) if section.fold_by else html_table(table))
         if section.image:
             data = base64.b64encode(images[section.image]).decode("ascii")
             body.append(f'<img alt="{html.escape(section.title)}" src="data:image/png;base64,{data}">')
@@ -209,7 +340,7 @@ def write_report(root: Path, out: Path, result: GateResult) -> list[Path]:
     if len(tokens):  # without tokens (provenance stopped every kernel) there is nothing to plot, only verdicts
         images[HEATMAP_PNG] = plots.png_bytes(plots.heatmap(analysis.dlogp_vs_canonical(tokens)))
         images[HISTOGRAM_PNG] = plots.png_bytes(plots.histograms(analysis.dlogp_vs_reference(tokens), atol))
-    sections = build_sections(root, result, tokens, checks)
+    sections = build_sections(root, result, checks)
     for section in sections:
         if section.image is not None and section.image not in images:
             section.paragraphs.append("No plot: no run computed a token (provenance stopped every kernel).")
@@ -235,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
             written = write_report(args.directory, out, result)
         print(console_summary(result))
         print("report: " + ", ".join(str(path) for path in written))
+        if len(result.unexpected):
+            print(f"all {len(result.unexpected)} verdicts not as expected: 'Red verdicts' in {out / REPORT_MARKDOWN}")
         return result.exit_code
 
     return int(guarded(PROG, command))
