@@ -23,6 +23,7 @@ from rlsweep.errors import ConfigError, RlsweepError
 from rlsweep.exitcodes import ExitCode, guarded, one_line
 from rlsweep.job import run_job
 from rlsweep.run import choose_triton_mode
+from rlsweep.tables import RunLocation
 
 PROG = "rlsweep"
 
@@ -37,15 +38,18 @@ class JobFailed(RlsweepError):
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def app(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
-    directory = Path(cfg.tables_dir or hydra_cfg.runtime.output_dir)
     if hydra_cfg.mode == RunMode.RUN:  # its error is this process's one line, not Hydra's "Error executing job"
-        SESSION.code = guarded(PROG, lambda: run_job(cfg, directory, resume=False, standalone=True))
+        location = RunLocation.single(Path(cfg.tables_dir or hydra_cfg.runtime.output_dir))
+        SESSION.code = guarded(PROG, lambda: run_job(cfg, location, resume=False, standalone=True))
         return
     try:
         require_callback()
         if cfg.tables_dir is not None:
-            raise ConfigError(f"tables_dir={cfg.tables_dir!r} in a sweep: every job writes into its own job dir")
-        run_job(cfg, directory, resume=True, standalone=False)
+            raise ConfigError(f"tables_dir={cfg.tables_dir!r} in a sweep: the jobs write into the sweep's datasets")
+        location = RunLocation.sweep_job(
+            Path(hydra_cfg.runtime.output_dir), Path(hydra_cfg.sweep.dir), hydra_cfg.job.num
+        )
+        run_job(cfg, location, resume=True, standalone=False)
     except Exception as err:
         overrides = " ".join(hydra_cfg.overrides.task)
         raise JobFailed(f"job #{hydra_cfg.job.num} ({overrides}) failed: {one_line(err)}") from err
@@ -60,6 +64,7 @@ def command() -> ExitCode:
 
 def main() -> int:
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # read by Hydra when it reports an error: re-raise it to us
+    sys.argv[0] = PROG  # usage lines and shell completion name the command, not __main__.py
     return int(guarded(PROG, command))
 
 

@@ -30,7 +30,7 @@ from rlsweep.errors import SelectionError, TablesNotFoundError
 from rlsweep.gate import SWEEP_CHECKS_TABLE, TP_MODE_ORDER, count_verdicts, discover
 from rlsweep.judgments import JUDGMENTS
 from rlsweep.layouts import CANONICAL_CELL
-from rlsweep.manifest import MANIFEST_FILE
+from rlsweep.manifest import MANIFEST_FILE, verify_run
 from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, TOKENS_SCHEMA, TOKENS_TABLE, read_table
 
 RUN_DIR = "run_dir"  # added column: the directory the row's run tables were read from
@@ -95,6 +95,11 @@ def run_dirs(path: str | os.PathLike[str]) -> list[Path]:
     return sorted(complete, key=natural_key)
 
 
+def read_run_table(run_dir: Path, table: str, schema: pa.Schema) -> pd.DataFrame:
+    """One complete run's table, found through its manifest (docs/tables.md)."""
+    return read_table(verify_run(run_dir).files[table], schema).to_pandas()
+
+
 def tokens_frame(tables: Sequence[tuple[Path, pd.DataFrame]]) -> pd.DataFrame:
     """(run dir, tokens table) pairs -> one tokens frame with analysis dtypes and a run_dir column."""
     parts = [table.assign(**{RUN_DIR: str(directory)}) for directory, table in tables if len(table)]
@@ -123,16 +128,16 @@ def checks_frame(
 
 
 def load_tokens(path: str | os.PathLike[str]) -> pd.DataFrame:
-    """Every tokens.parquet under ``path``: one row per (run, cell, sample_id, position)."""
-    frame = tokens_frame([(d, read_table(d / TOKENS_TABLE, TOKENS_SCHEMA).to_pandas()) for d in run_dirs(path)])
+    """Every complete run's tokens under ``path``: one row per (run, cell, sample_id, position)."""
+    frame = tokens_frame([(d, read_run_table(d, TOKENS_TABLE, TOKENS_SCHEMA)) for d in run_dirs(path)])
     if not len(frame):
         raise TablesNotFoundError(f"the {TOKENS_TABLE} tables under {str(path)!r} hold no rows")
     return frame
 
 
 def load_checks(path: str | os.PathLike[str]) -> pd.DataFrame:
-    """Every checks.parquet (level "run") and sweep_checks.parquet (level "sweep") under ``path``."""
-    runs = [(d, read_table(d / CHECKS_TABLE, CHECKS_SCHEMA).to_pandas()) for d in run_dirs(path)]
+    """Every complete run's checks (level "run") and sweep_checks.parquet (level "sweep") under ``path``."""
+    runs = [(d, read_run_table(d, CHECKS_TABLE, CHECKS_SCHEMA)) for d in run_dirs(path)]
     sweep_tables = sorted(Path(path).rglob(SWEEP_CHECKS_TABLE), key=natural_key)
     sweeps = [(p.parent, read_table(p, CHECKS_SCHEMA).to_pandas()) for p in sweep_tables]
     frame = checks_frame(runs, sweeps)

@@ -14,15 +14,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from rlsweep.errors import ConfigError
 from rlsweep.exitcodes import ExitCode, one_line
+from rlsweep.gate import job_list
 from rlsweep.locks import acquire
-from rlsweep.manifest import verify_run
+from rlsweep.manifest import MANIFEST_FILE, verify_run
+from rlsweep.run import preflight
 from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, read_table
 
 CALLBACK_TARGET = "rlsweep.callbacks.RlsweepCallback"
@@ -76,12 +79,30 @@ def require_callback() -> None:
 def red_so_far(sweep_dir: Path) -> tuple[int, int]:
     """(complete runs, verdicts not as expected) among the runs already complete under ``sweep_dir``."""
     complete, red = 0, 0
-    for job_dir in sorted({path.parent for path in sweep_dir.rglob(CHECKS_TABLE)}):
-        if verify_run(job_dir).complete:
-            checks = read_table(job_dir / CHECKS_TABLE, CHECKS_SCHEMA).to_pandas()
+    for job_dir in sorted({path.parent for path in sweep_dir.rglob(MANIFEST_FILE)}):
+        state = verify_run(job_dir)
+        if state.complete:
+            checks = read_table(state.files[CHECKS_TABLE], CHECKS_SCHEMA).to_pandas()
             complete += 1
             red += int((checks["passed"] != checks["expected_pass"]).sum())
     return complete, red
+
+
+def preflight_jobs(config: DictConfig) -> None:
+    """Compose every job of the sweep and check it as its run would (``rlsweep.run.preflight``), before any runs.
+
+    A job that cannot run (a geometry its profile cannot serve, a contract row it lacks) stops the sweep here,
+    in one line naming the job, instead of after the jobs before it have spent their time.
+    """
+    loader = GlobalHydra.instance().config_loader()
+    for num, overrides in enumerate(job_list(config.hydra, "this sweep")):
+        try:
+            job_cfg = loader.load_sweep_config(config, list(overrides))
+            with open_dict(job_cfg):
+                del job_cfg["hydra"]
+            preflight(job_cfg)
+        except Exception as err:
+            raise ConfigError(f"job #{num} ({' '.join(overrides)}) cannot run: {one_line(err)}") from err
 
 
 class RlsweepCallback(Callback):
@@ -93,6 +114,7 @@ class RlsweepCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         def start() -> None:
             check_output_dir(config.hydra.sweep.dir, "hydra.sweep.dir")
+            preflight_jobs(config)
             acquire(Path(config.hydra.sweep.dir))  # held until this process ends, gate included
             SESSION.sweep_dir = Path(config.hydra.sweep.dir)
 
@@ -111,9 +133,8 @@ class RlsweepCallback(Callback):
         if job_return.status == JobStatus.FAILED:
             try:
                 job_return.return_value  # noqa: B018  (re-raises the job's exception)
-            except Exception as err:
-                print(f"[rlsweep sweep] job #{job.num} FAILED ({' '.join(job_return.overrides)}): "
-                      f"{one_line(err)}", flush=True)  # fmt: skip
+            except Exception as err:  # the job's error names the job and its overrides
+                print(f"[rlsweep sweep] FAILED: {one_line(err)}", flush=True)
         try:
             runs, red = red_so_far(Path(config.hydra.sweep.dir))
         except Exception as err:

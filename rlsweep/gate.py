@@ -20,7 +20,7 @@ import pandas as pd
 import pyarrow as pa
 import torch
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 import kernels
 from rlsweep.config import ExpectedVerdictConfig
@@ -28,6 +28,7 @@ from rlsweep.contract import FORWARD_TENSORS, Contract, contract_from_mapping, o
 from rlsweep.errors import RlsweepError, TablesNotFoundError
 from rlsweep.exitcodes import ExitCode, combine
 from rlsweep.judgments import (
+    REPORTED_ONLY,
     SWEEP_JUDGMENTS,
     Verdict,
     applies,
@@ -40,10 +41,11 @@ from rlsweep.judgments import (
     expectations_for,
 )
 from rlsweep.layouts import CANONICAL_CELL
-from rlsweep.manifest import HYDRA_CONFIG, MANIFEST_FILE, verify_run
+from rlsweep.manifest import HYDRA_CONFIG, MANIFEST_FILE, read_manifest, table_files, verify_run
 from rlsweep.tables import (
     CHECKS_SCHEMA,
     CHECKS_TABLE,
+    PART_FILE,
     RUN_COLUMNS,
     RUN_TABLES,
     TOKENS_SCHEMA,
@@ -111,14 +113,22 @@ def sweep_jobs(sweep_dir: Path) -> list[tuple[str, ...]]:
     path = sweep_dir / MULTIRUN_FILE
     try:
         hydra_cfg = OmegaConf.load(path).hydra
+    except Exception as err:
+        raise TableError(f"{str(path)!r} cannot be read as Hydra's sweep record: {' '.join(str(err).split())}") from err
+    return job_list(hydra_cfg, repr(str(path)))
+
+
+def job_list(hydra_cfg: DictConfig, where: str) -> list[tuple[str, ...]]:
+    """Every job's overrides from a sweep's ``hydra`` node, in the basic sweeper's order; ``where`` names it."""
+    try:
         sweeper = OmegaConf.select(hydra_cfg, "sweeper._target_")
         params_node = OmegaConf.select(hydra_cfg, "sweeper.params")
         params = OmegaConf.to_container(params_node, resolve=False) if params_node is not None else {}
         task = OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)
     except Exception as err:
-        raise TableError(f"{str(path)!r} cannot be read as Hydra's sweep record: {' '.join(str(err).split())}") from err
+        raise TableError(f"{where} cannot be read as Hydra's sweep record: {' '.join(str(err).split())}") from err
     if sweeper != BASIC_SWEEPER:
-        raise RlsweepError(f"{str(path)!r}: cannot list the jobs of sweeper {sweeper!r}; rlsweep gates {BASIC_SWEEPER}")
+        raise RlsweepError(f"{where}: cannot list the jobs of sweeper {sweeper!r}; rlsweep gates {BASIC_SWEEPER}")
     arguments = [f"{key}={value}" for key, value in params.items()] + list(task)
     choices: dict[str, list[str]] = {}  # key -> its "key=value" choices; a later override of a key replaces it
     for override in OverridesParser.create().parse_overrides(arguments):
@@ -128,7 +138,7 @@ def sweep_jobs(sweep_dir: Path) -> list[tuple[str, ...]]:
         elif override.is_discrete_sweep():
             choices[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
         else:
-            raise RlsweepError(f"{str(path)!r}: the basic sweeper cannot expand {key!r} ({override.input_line})")
+            raise RlsweepError(f"{where}: the basic sweeper cannot expand {key!r} ({override.input_line})")
     return list(itertools.product(*choices.values()))
 
 
@@ -143,9 +153,30 @@ def job_overrides(run_dir: Path) -> tuple[str, ...] | None:
 
 
 def candidate_dirs(root: Path) -> set[Path]:
-    """Directories that hold, or were meant to hold, a run: tables, a manifest or Hydra's job record."""
-    found = {path.parent for name in (*RUN_TABLES, MANIFEST_FILE) for path in root.rglob(name)}
+    """Directories that hold, or were meant to hold, a run: a manifest or Hydra's job record."""
+    found = {path.parent for path in root.rglob(MANIFEST_FILE)}
     return found | {path.parent.parent for path in root.rglob(str(HYDRA_CONFIG))}
+
+
+def visible_tables(root: Path) -> set[Path]:
+    """Every table file a dataset reader would load under ``root`` (hidden staging folders aside)."""
+    return {
+        path.resolve()
+        for name in RUN_TABLES
+        for path in root.rglob(f"{name}/**/{PART_FILE}")
+        if not any(part.startswith(".") for part in path.relative_to(root).parts)
+    }
+
+
+def orphan_tables(root: Path, candidates: set[Path]) -> list[str]:
+    """Table files that no run's manifest names: left by a crash or an older sweep, never data to trust."""
+    named = set()
+    for directory in candidates:
+        manifest, _ = read_manifest(directory)
+        if manifest is not None:
+            named |= {path.resolve() for path in table_files(directory, manifest).values()}
+    return [f"{path}: no run's {MANIFEST_FILE} names this table (stale or partial)" for path in
+            sorted(visible_tables(root) - named)]  # fmt: skip
 
 
 def discover(root: Path) -> tuple[list[Path], list[str], list[str]]:
@@ -189,18 +220,19 @@ def discover(root: Path) -> tuple[list[Path], list[str], list[str]]:
             complete.append(run_dir)
         else:
             incomplete.append(f"{run_dir}: {state.reason}")
-    return complete, incomplete, notes
+    return complete, incomplete + orphan_tables(root, candidates), notes
 
 
 def load_run(directory: Path) -> RunTables:
     """A complete run's tables, each checked against its schema; a run always holds at least one verdict."""
-    tokens = read_table(directory / TOKENS_TABLE, TOKENS_SCHEMA).to_pandas()
-    checks = read_table(directory / CHECKS_TABLE, CHECKS_SCHEMA).to_pandas()
+    files = verify_run(directory).files
+    tokens = read_table(files[TOKENS_TABLE], TOKENS_SCHEMA).to_pandas()
+    checks = read_table(files[CHECKS_TABLE], CHECKS_SCHEMA).to_pandas()
     if not len(checks):
-        raise TableError(f"{str(directory / CHECKS_TABLE)!r} holds no verdict (every run judges its contract)")
-    metadata = read_metadata(directory / CHECKS_TABLE)
+        raise TableError(f"{str(files[CHECKS_TABLE])!r} holds no verdict (every run judges its contract)")
+    metadata = read_metadata(files[CHECKS_TABLE])
     run = checks.iloc[0][RUN_COLUMNS.names].to_dict()
-    contract = contract_from_mapping(metadata["contract"], source=f"{directory / CHECKS_TABLE} metadata")
+    contract = contract_from_mapping(metadata["contract"], source=f"{files[CHECKS_TABLE]} metadata")
     return RunTables(directory, run, metadata["config"], contract, tokens, checks)
 
 
@@ -211,7 +243,9 @@ def run_gate(root: str | Path) -> GateResult:
         raise TablesNotFoundError(f"{str(root)!r} is not a directory of rlsweep tables")
     complete, incomplete, notes = discover(root)
     if not complete and not incomplete:
-        raise TablesNotFoundError(f"no rlsweep run ({MANIFEST_FILE}, {CHECKS_TABLE}, {TOKENS_TABLE}) in {str(root)!r}")
+        raise TablesNotFoundError(
+            f"no rlsweep run ({MANIFEST_FILE}, {CHECKS_TABLE}/, {TOKENS_TABLE}/) in {str(root)!r}"
+        )
     runs = [load_run(directory) for directory in complete]
     rows: list[dict[str, Any]] = []
     for lhs, rhs in tp_pairs(runs):
@@ -337,8 +371,14 @@ def write_sweep_outputs(root: Path, result: GateResult) -> None:
     write_tables(root, {SWEEP_CHECKS_TABLE: table}, files={SUMMARY_FILE: summary_markdown(result)})
 
 
+def reported_only(checks: pd.DataFrame) -> pd.Series:
+    """Rows that report a value the contract has no row for: never a verdict, never counted as one."""
+    return checks["passed"] & checks["threshold"].isna() & checks["detail"].astype(str).str.startswith(REPORTED_ONLY)
+
+
 def count_verdicts(checks: pd.DataFrame, by: Sequence[str] = VERDICT_GROUPS) -> pd.DataFrame:
-    """Pass/fail/unexpected counts of a checks frame, one row per group of ``by`` columns."""
+    """Pass/fail/unexpected counts of a checks frame's verdicts (reported-only rows aside), per ``by`` group."""
+    checks = checks[~reported_only(checks)] if len(checks) else checks
     if not len(checks):
         return pd.DataFrame(columns=[*by, *VERDICT_COUNTS])
     checks = checks.assign(failed=~checks["passed"], unexpected=checks["passed"] != checks["expected_pass"])

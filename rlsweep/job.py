@@ -13,7 +13,7 @@ from rlsweep.exitcodes import ExitCode
 from rlsweep.locks import locked
 from rlsweep.manifest import RunIdentity, identify, invalidate, verify_run, write_manifest
 from rlsweep.run import RunOutcome, execute
-from rlsweep.tables import check_writable
+from rlsweep.tables import CHECKS_TABLE, RunLocation, check_writable
 
 MAX_LISTED = 20
 
@@ -24,7 +24,7 @@ def summary(outcome: RunOutcome) -> str:
     lines = [
         f"rlsweep run {outcome.run_id}: {len(verdicts)} checks, {sum(v.passed for v in verdicts)} passed, "
         f"{len(unexpected)} not as expected -> {outcome.exit_code.word}",
-        f"tables: {outcome.directory}",
+        f"tables: {outcome.location.root}: {', '.join(str(path) for path in outcome.files.values())}",
     ]
     for verdict in unexpected[:MAX_LISTED]:
         expectation = "expected pass" if verdict.expected_pass else "expected red, passed"
@@ -32,7 +32,7 @@ def summary(outcome: RunOutcome) -> str:
             f"  {verdict.judgment} {verdict.lhs_cell or '-'} {verdict.tensor or '-'} ({expectation}): {verdict.detail}"
         )
     if len(unexpected) > MAX_LISTED:
-        lines.append(f"  ... {len(unexpected) - MAX_LISTED} more in {outcome.directory / 'checks.parquet'}")
+        lines.append(f"  ... {len(unexpected) - MAX_LISTED} more in {outcome.files[CHECKS_TABLE]}")
     return "\n".join(lines)
 
 
@@ -42,24 +42,25 @@ def already_done(directory: Path, identity: RunIdentity) -> bool:
     return state.complete and state.manifest.get("content_sha256") == identity.content_sha256
 
 
-def run_job(cfg: DictConfig, directory: Path, *, resume: bool, standalone: bool) -> ExitCode:
-    """One run into ``directory``, which it holds locked; returns GREEN or RED, raises on bad input.
+def run_job(cfg: DictConfig, location: RunLocation, *, resume: bool, standalone: bool) -> ExitCode:
+    """One run at ``location``, its run dir held locked; returns GREEN or RED, raises on bad input.
 
     ``resume``: skip the run when its manifest says the same content produced it (a sweep re-run).
     """
+    directory = location.run_dir
     check_writable(directory)
     with locked(directory):
         config = OmegaConf.to_container(cfg, resolve=True)
         try:
             identity = identify(config)
         except BaseException:
-            invalidate(directory)
+            invalidate(location)
             raise
         if resume and already_done(directory, identity):
             print(f"rlsweep: skipping: run {identity.run_id} is complete in {directory} (same content)")
             return ExitCode.GREEN
-        invalidate(directory)
-        outcome = execute(cfg, directory, identity, standalone=standalone)
-        write_manifest(directory, identity)
+        invalidate(location)
+        outcome = execute(cfg, location, identity, standalone=standalone)
+        write_manifest(location, identity, outcome.files)
     print(summary(outcome))
     return outcome.exit_code

@@ -1,8 +1,9 @@
 """A run's manifest: written last, it is what makes a run's tables complete (docs/sweeps.md, "Complete").
 
-``manifest.json`` names the content hash of everything that produced the run (resolved config, contract,
-weight and replay files, code) and the sha256 of each table. Tables without a manifest that matches them,
-or whose manifest differs from the config beside them (``.hydra/config.yaml``), are incomplete.
+``manifest.json``, in the run dir, names the content hash of everything that produced the run (resolved
+config, contract, weight and replay files, code) and each table's file (relative to the run dir: a sweep
+job's tables live in the sweep's datasets, docs/tables.md) with its sha256. Tables without a manifest that
+matches them, or whose manifest differs from the config beside it (``.hydra/config.yaml``), are incomplete.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -21,11 +23,11 @@ from omegaconf import OmegaConf
 
 import kernels
 from rlsweep.environment import git_commit
-from rlsweep.errors import ReplayInputError
-from rlsweep.tables import RUN_TABLES, write_tables
+from rlsweep.errors import ReplayInputError, TablesNotFoundError
+from rlsweep.tables import RUN_TABLES, RunLocation, remove_tables, write_tables
 
 MANIFEST_FILE = "manifest.json"
-MANIFEST_FORMAT = "rlsweep-run-manifest/1"
+MANIFEST_FORMAT = "rlsweep-run-manifest/2"
 HYDRA_CONFIG = Path(".hydra") / "config.yaml"  # the config Hydra saved beside a run's tables
 SOURCE_SUFFIXES = (".py", ".yaml")
 CHUNK = 1 << 20
@@ -115,8 +117,8 @@ def identify(config: Mapping[str, Any]) -> RunIdentity:
     return RunIdentity(config_hash, content, inputs, code)
 
 
-def write_manifest(directory: Path, identity: RunIdentity) -> dict[str, Any]:
-    """Hash the tables now in ``directory`` and write the manifest after them, atomically."""
+def write_manifest(location: RunLocation, identity: RunIdentity, tables: Mapping[str, Path]) -> dict[str, Any]:
+    """Hash the run's published table files and write the manifest after them, atomically."""
     manifest = {
         "format": MANIFEST_FORMAT,
         "run_id": identity.run_id,
@@ -124,17 +126,25 @@ def write_manifest(directory: Path, identity: RunIdentity) -> dict[str, Any]:
         "content_sha256": identity.content_sha256,
         "inputs": dict(identity.inputs),
         "code": dict(identity.code),
-        "tables": {name: file_sha256(directory / name, "table") for name in RUN_TABLES},
+        "tables": {
+            name: {"path": os.path.relpath(path, location.run_dir), "sha256": file_sha256(path, "table")}
+            for name, path in tables.items()
+        },
         "written": datetime.now(timezone.utc).isoformat(),
     }
-    write_tables(directory, {}, files={MANIFEST_FILE: json.dumps(manifest, indent=2, sort_keys=True) + "\n"})
+    write_tables(location.run_dir, {}, files={MANIFEST_FILE: json.dumps(manifest, indent=2, sort_keys=True) + "\n"})
     return manifest
 
 
-def invalidate(directory: Path) -> None:
+def invalidate(location: RunLocation) -> None:
     """Before a run writes anything: its old manifest first (so nothing stale reads as complete), then its tables."""
-    for name in (MANIFEST_FILE, *RUN_TABLES):
-        (directory / name).unlink(missing_ok=True)
+    (location.run_dir / MANIFEST_FILE).unlink(missing_ok=True)
+    remove_tables(location)
+
+
+def table_files(directory: Path, manifest: Mapping[str, Any]) -> dict[str, Path]:
+    """The table files a manifest in ``directory`` names, by table."""
+    return {name: directory / entry["path"] for name, entry in manifest["tables"].items()}
 
 
 @dataclass(frozen=True)
@@ -149,6 +159,13 @@ class RunState:
     def complete(self) -> bool:
         return self.manifest is not None and not self.reason
 
+    @property
+    def files(self) -> dict[str, Path]:
+        """The table files of a complete run, by table (tokens, checks)."""
+        if not self.complete:
+            raise TablesNotFoundError(f"{str(self.directory)!r} is not a complete run: {self.reason}")
+        return table_files(self.directory, self.manifest)
+
 
 def read_manifest(directory: Path) -> tuple[dict[str, Any] | None, str]:
     path = directory / MANIFEST_FILE
@@ -162,6 +179,11 @@ def read_manifest(directory: Path) -> tuple[dict[str, Any] | None, str]:
         return None, f"{MANIFEST_FILE} is not an rlsweep run manifest ({MANIFEST_FORMAT})"
     if not isinstance(manifest.get("tables"), dict) or not isinstance(manifest.get("config_sha256"), str):
         return None, f"{MANIFEST_FILE} lacks its tables or config_sha256"
+    for name, entry in manifest["tables"].items():
+        if not (
+            isinstance(entry, dict) and isinstance(entry.get("path"), str) and isinstance(entry.get("sha256"), str)
+        ):
+            return None, f"{MANIFEST_FILE}: table {name!r} lacks its path or sha256"
     return manifest, ""
 
 
@@ -178,18 +200,19 @@ def verify_run(directory: Path) -> RunState:
     manifest, reason = read_manifest(directory)
     if manifest is None:
         return RunState(directory, None, reason)
+    files = table_files(directory, manifest)
     for name in RUN_TABLES:
-        expected = manifest["tables"].get(name)
-        if expected is None:
-            return RunState(directory, manifest, f"{MANIFEST_FILE} does not name {name}")
-        if not (directory / name).is_file():
-            return RunState(directory, manifest, f"{name} is missing")
+        if name not in files:
+            return RunState(directory, manifest, f"{MANIFEST_FILE} does not name its {name} table")
+        path = files[name]
+        if not path.is_file():
+            return RunState(directory, manifest, f"its {name} table {str(path)!r} is missing")
         try:
-            actual = file_sha256(directory / name, "table")
+            actual = file_sha256(path, "table")
         except ReplayInputError as err:
             return RunState(directory, manifest, str(err))
-        if actual != expected:
-            return RunState(directory, manifest, f"{name} is not the table its manifest names (sha256 differs)")
+        if actual != manifest["tables"][name]["sha256"]:
+            return RunState(directory, manifest, f"{str(path)!r} is not the table its manifest names (sha256 differs)")
     try:
         beside = hydra_config_sha256(directory)
     except Exception as err:

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import kernels
 from rlsweep.config import DEVICES, check_complete
-from rlsweep.contract import DETERMINISM_SCOPES, contract_from_mapping, op_class
+from rlsweep.contract import DETERMINISM_SCOPES, Contract, contract_from_mapping, op_class
 from rlsweep.environment import available_memory, environment
 from rlsweep.errors import ConfigError
 from rlsweep.execute import CellResult, Filler, check_fits, peak_bytes, run_cell, run_reference
@@ -51,22 +51,25 @@ from rlsweep.tables import (
     CHECKS_TABLE,
     TOKENS_SCHEMA,
     TOKENS_TABLE,
+    RunLocation,
     build_table,
     check_writable,
+    publish_tables,
     with_metadata,
-    write_tables,
 )
 from rlsweep.workload import build_workload, workload_shape
 
 log = logging.getLogger(__name__)
 EXECUTION_DTYPES = {kernels.dtype_name(dtype): dtype for dtype in kernels.EXECUTION_DTYPES}
+MAX_TP = 256  # the most ranks one run emulates or launches
 
 
 @dataclass(frozen=True)
 class RunOutcome:
-    directory: Path
+    location: RunLocation
     run_id: str
     verdicts: list[Verdict]
+    files: dict[str, Path]  # the published table files, by table
 
     @property
     def unexpected(self) -> list[Verdict]:
@@ -127,21 +130,14 @@ def validate(cfg: DictConfig) -> None:
 
 
 def check_tp_geometry(vocab_size: int, vocab_tile: int, tp: int) -> None:
-    """Every rank must own at least one real vocab column; otherwise the tp cannot be served."""
-    padded = kernels.padded_vocab_size(vocab_size, vocab_tile, tp)
-    width = padded // tp
-    if (tp - 1) * width >= vocab_size:
-        # A rank owns whole tiles, so no tp above the number of tiles holding real columns can be served.
-        tiles = -(-vocab_size // vocab_tile)
-        largest = max(
-            t
-            for t in range(1, min(tp, tiles + 1))
-            if (t - 1) * (kernels.padded_vocab_size(vocab_size, vocab_tile, t) // t) < vocab_size
-        )
-        raise ConfigError(
-            f"tp={tp} cannot be served: vocab {vocab_size} in tiles of {vocab_tile} pads to {padded}, so rank "
-            f"{tp - 1} would hold only padding columns; with this model and profile use tp <= {largest}"
-        )
+    """Every tp up to MAX_TP is served: ranks past the real vocab own whole tiles of padding only.
+
+    Padding to a multiple of ``vocab_tile * tp`` keeps every shard a run of whole tiles, so the global
+    tile sequence differs across tp only by trailing all-padding tiles, which merge as the identity.
+    """
+    if tp > MAX_TP:
+        raise ConfigError(f"tp={tp} is above {MAX_TP}, the largest tp rlsweep runs; use 1 <= tp <= {MAX_TP}")
+    kernels.padded_vocab_size(vocab_size, vocab_tile, tp)  # with MAX_TP and MAX_VOCAB_TILE, at most 2**22 columns
 
 
 def check_distributed_devices(cfg: DictConfig) -> None:
@@ -175,7 +171,25 @@ def prepare_backend(profile: DictConfig) -> None:
         warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
 
 
-def execute(cfg: DictConfig, directory: Path, identity: RunIdentity, *, standalone: bool) -> RunOutcome:
+def preflight(cfg: DictConfig) -> Contract:
+    """Every check that needs only the config, the contract's rows included; returns the run's contract.
+
+    A sweep runs it for each of its jobs before the first one starts (``rlsweep.callbacks``).
+    """
+    contract = contract_from_mapping(
+        OmegaConf.to_container(cfg.contract, resolve=True), source=f"contract {cfg.contract.version}"
+    )
+    validate(cfg)
+    profile = cfg.profile
+    op_name = op_class(profile.execution_dtype, profile.logits_dtype)
+    cells = cell_names(cfg.layout)
+    contract.require(*contract_needs(cells, profile.execution_dtype, op_name, profile.determinism_scope))
+    if profile.device != "cuda" or torch.cuda.is_available():  # without CUDA a CUDA profile is a red provenance verdict
+        check_distributed_devices(cfg)
+    return contract
+
+
+def execute(cfg: DictConfig, location: RunLocation, identity: RunIdentity, *, standalone: bool) -> RunOutcome:
     """Run every cell of the layout, judge, write both tables; bad input raises RlsweepError/KernelInputError.
 
     Everything that needs only the config (the contract's rows included) is checked before any kernel runs.
@@ -183,13 +197,11 @@ def execute(cfg: DictConfig, directory: Path, identity: RunIdentity, *, standalo
     """
     started = datetime.now(timezone.utc).isoformat()
     config = OmegaConf.to_container(cfg, resolve=True)
-    contract = contract_from_mapping(config["contract"], source=f"contract {cfg.contract.version}")
-    validate(cfg)
+    contract = preflight(cfg)
     profile = cfg.profile
     cells = cell_names(cfg.layout)
     op_name = op_class(profile.execution_dtype, profile.logits_dtype)
-    contract.require(*contract_needs(cells, profile.execution_dtype, op_name, profile.determinism_scope))
-    check_writable(directory)
+    check_writable(location.root)
     required = dict(profile.required_nodes)
     run = {
         "run_id": identity.run_id,
@@ -216,7 +228,6 @@ def execute(cfg: DictConfig, directory: Path, identity: RunIdentity, *, standalo
         )
         verdicts.append(provenance_verdict("", required, [], profile.backend_family, error=computed.stopped))
     else:
-        check_distributed_devices(cfg)
         prepare_backend(profile)
         try:
             op = dispatch(cfg)
@@ -243,10 +254,10 @@ def execute(cfg: DictConfig, directory: Path, identity: RunIdentity, *, standalo
     }
     tokens = tokens_table(run, computed)
     checks = build_table(CHECKS_SCHEMA, run, checks_columns(verdicts), len(verdicts))
-    write_tables(
-        directory, {TOKENS_TABLE: with_metadata(tokens, metadata), CHECKS_TABLE: with_metadata(checks, metadata)}
+    files = publish_tables(
+        location, {TOKENS_TABLE: with_metadata(tokens, metadata), CHECKS_TABLE: with_metadata(checks, metadata)}
     )
-    return RunOutcome(directory, run["run_id"], verdicts)
+    return RunOutcome(location, run["run_id"], verdicts, files)
 
 
 def dispatch(cfg: DictConfig) -> kernels.LogprobOp:

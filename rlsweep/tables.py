@@ -1,16 +1,22 @@
-"""Parquet tables of one run (docs/tables.md), written atomically, with the run's JSON metadata.
+"""Parquet tables of one run (docs/tables.md): two datasets, written so that a reader never sees a partial run.
 
-Each file is written to a temporary file in the same folder and renamed into place, so no reader sees
-half a table; the run's manifest (``rlsweep.manifest``), written after both, makes them valid together.
-Reading checks each table against its schema, so a column of the wrong type is an error, not a verdict.
+A run's tables go into two dataset folders under a dataset root: ``tokens/`` and ``checks/``. A single run
+is its own root (``<run dir>/tokens/part-0.parquet``); a sweep's jobs share the sweep dir as root, one
+hive-style partition each (``<sweep dir>/tokens/job=<n>/part-0.parquet``), so one ``pd.read_parquet``
+of ``<sweep dir>/tokens`` loads the whole sweep. Each partition is written into a hidden staging folder
+and renamed into place whole, and a rerun removes the old partition first (renamed away, then deleted),
+so a plain reader sees a job's rows only once they are complete. The run's manifest (``rlsweep.manifest``),
+written after both, is what makes them valid for rlsweep. Reading checks each table against its schema.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +25,41 @@ import pyarrow.parquet as pq
 
 from rlsweep.errors import OutputDirError, TablesNotFoundError
 
-TOKENS_TABLE = "tokens.parquet"
-CHECKS_TABLE = "checks.parquet"
-RUN_TABLES = (TOKENS_TABLE, CHECKS_TABLE)  # a run's tables; its manifest names both
+TOKENS_TABLE = "tokens"  # dataset folder names; a run's manifest names its file in each
+CHECKS_TABLE = "checks"
+RUN_TABLES = (TOKENS_TABLE, CHECKS_TABLE)
+PART_FILE = "part-0.parquet"  # the one file of a run's partition
+PARTITION_KEY = "job"  # a sweep's partitions: job=<Hydra job number>, the number of the job's own dir
+SCHEMA_VERSION = "rlsweep-tables/2"  # in every table's metadata; bumped when a schema changes
 METADATA_KEY = b"rlsweep"
+
+
+@dataclass(frozen=True)
+class RunLocation:
+    """Where one run's files go: its manifest (and Hydra's record) in ``run_dir``, its tables under ``root``.
+
+    ``partition`` is ``job=<n>`` for a sweep's job and None for a single run, whose dataset folders hold
+    its table directly.
+    """
+
+    run_dir: Path
+    root: Path
+    partition: str | None = None
+
+    @classmethod
+    def single(cls, run_dir: Path) -> RunLocation:
+        return cls(run_dir, run_dir)
+
+    @classmethod
+    def sweep_job(cls, run_dir: Path, sweep_dir: Path, job_num: int) -> RunLocation:
+        return cls(run_dir, sweep_dir, f"{PARTITION_KEY}={job_num}")
+
+    def table_dir(self, table: str) -> Path:
+        return self.root / table / self.partition if self.partition else self.root / table
+
+    def table_file(self, table: str) -> Path:
+        return self.table_dir(table) / PART_FILE
+
 
 RUN_COLUMNS = pa.schema(
     [
@@ -89,7 +126,9 @@ def build_table(schema: pa.Schema, run: Mapping[str, Any], columns: Mapping[str,
 
 
 def with_metadata(table: pa.Table, metadata: Mapping[str, Any]) -> pa.Table:
-    return table.replace_schema_metadata({METADATA_KEY: json.dumps(metadata, sort_keys=True, default=str).encode()})
+    """``metadata`` as the table's rlsweep JSON, with the schema version every table carries."""
+    document = {"schema_version": SCHEMA_VERSION, **metadata}
+    return table.replace_schema_metadata({METADATA_KEY: json.dumps(document, sort_keys=True, default=str).encode()})
 
 
 def check_writable(directory: Path) -> None:
@@ -141,6 +180,63 @@ def current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def hidden_sibling(path: Path, tag: str) -> Path:
+    """A fresh hidden folder beside ``path`` (dataset readers skip names that start with a dot)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.{tag}-"))
+
+
+def remove_dir(path: Path) -> None:
+    """Make ``path`` disappear at once (renamed to a hidden sibling), then delete it."""
+    if not path.exists() and not path.is_symlink():
+        return
+    if not path.is_dir() or path.is_symlink():
+        raise OutputDirError(f"{str(path)!r} should be a table folder but is not a directory")
+    doomed = hidden_sibling(path, "stale")
+    os.replace(path, doomed / path.name)
+    shutil.rmtree(doomed)
+
+
+def remove_tables(location: RunLocation) -> None:
+    """A rerun's first step after its manifest: its old partitions go, so no reader sees stale rows."""
+    for table in RUN_TABLES:
+        remove_dir(location.table_dir(table))
+
+
+def publish_tables(location: RunLocation, tables: Mapping[str, pa.Table]) -> dict[str, Path]:
+    """Write each table into a hidden staging folder, then rename the folders into place; returns the files.
+
+    On any error nothing new is left visible. Files get the permissions an ordinary ``open`` would give.
+    """
+    mode = 0o666 & ~current_umask()
+    staged: dict[str, Path] = {}
+    published: list[Path] = []
+    try:
+        for name, table in tables.items():
+            target = location.table_dir(name)
+            staged[name] = hidden_sibling(target, "staging")
+            pq.write_table(table, staged[name] / PART_FILE)
+            os.chmod(staged[name] / PART_FILE, mode)
+            os.chmod(staged[name], 0o777 & ~current_umask())
+        for name, folder in staged.items():
+            target = location.table_dir(name)
+            remove_dir(target)
+            os.replace(folder, target)
+            published.append(target)
+    except OSError as err:
+        cleanup([*staged.values(), *published])
+        raise OutputDirError(f"tables cannot be written under {str(location.root)!r}: {err.strerror or err}") from err
+    except BaseException:
+        cleanup([*staged.values(), *published])
+        raise
+    return {name: location.table_file(name) for name in tables}
+
+
+def cleanup(folders: list[Path]) -> None:
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 class TableError(TablesNotFoundError):

@@ -13,9 +13,9 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save_file
 
 from rlsweep.config import register_configs
-from rlsweep.manifest import MANIFEST_FILE, identify
+from rlsweep.manifest import MANIFEST_FILE, identify, read_manifest, table_files
 from rlsweep.run import RunOutcome, execute
-from rlsweep.tables import RUN_TABLES
+from rlsweep.tables import RUN_TABLES, RunLocation
 
 register_configs()
 
@@ -42,7 +42,15 @@ def write_replay(directory: Path, tensors: dict, hidden_size: int, vocab_size: i
 
 def execute_run(cfg: DictConfig, directory: Path) -> RunOutcome:
     """``execute`` of a single run (no lock, no manifest): the kernels, judgments and tables only."""
-    return execute(cfg, directory, identify(OmegaConf.to_container(cfg, resolve=True)), standalone=True)
+    location = RunLocation.single(directory)
+    return execute(cfg, location, identify(OmegaConf.to_container(cfg, resolve=True)), standalone=True)
+
+
+def table_file(run_dir: Path, table: str) -> Path:
+    """The file of ``table`` that the manifest in ``run_dir`` names (complete or not)."""
+    manifest, reason = read_manifest(run_dir)
+    assert manifest is not None, reason
+    return table_files(run_dir, manifest)[table]
 
 
 @dataclass

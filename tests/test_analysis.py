@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pandas as pd
 import pytest
+from rlsweep_fixtures import table_file
 
 from rlsweep import analysis
 from rlsweep.errors import SelectionError, TablesNotFoundError
 from rlsweep.gate import SWEEP_CHECKS_TABLE, VERDICT_COUNTS
 from rlsweep.layouts import CANONICAL_CELL
-from rlsweep.tables import CHECKS_TABLE, RUN_COLUMNS, TOKENS_TABLE
+from rlsweep.tables import CHECKS_TABLE, PARTITION_KEY, RUN_COLUMNS, TOKENS_TABLE
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +27,8 @@ def checks(small_sweep):
 
 def raw_checks(sweep_dir) -> pd.DataFrame:
     """The checks tables exactly as pandas reads them, without the analysis layer."""
-    paths = [*sweep_dir.rglob(CHECKS_TABLE), *sweep_dir.rglob(SWEEP_CHECKS_TABLE)]
-    return pd.concat([pd.read_parquet(path) for path in paths], ignore_index=True)
+    runs = pd.read_parquet(sweep_dir / CHECKS_TABLE).drop(columns=PARTITION_KEY)  # the sweep's checks dataset
+    return pd.concat([runs, pd.read_parquet(sweep_dir / SWEEP_CHECKS_TABLE)], ignore_index=True)
 
 
 def test_dtypes_are_stable_and_as_written(tokens, checks):
@@ -49,7 +52,7 @@ def test_load_checks_has_run_and_sweep_rows(small_sweep, checks):
     assert set(sweep["judgment"]) <= {"tp_invariance", "backend_parity"}
     # a sweep verdict belongs to its lhs run: same run_id in that run dir's own checks
     for row in sweep.itertuples():
-        assert row.run_id in set(pd.read_parquet(f"{row.run_dir}/{CHECKS_TABLE}")["run_id"])
+        assert row.run_id in set(pd.read_parquet(table_file(Path(row.run_dir), CHECKS_TABLE))["run_id"])
 
 
 def test_summary_counts_match_the_checks_tables(small_sweep, checks):
@@ -154,4 +157,4 @@ def test_one_run_dir_loads_alone(small_sweep, tokens):
     run_dir = analysis.run_dirs(small_sweep)[0]
     one = analysis.load_tokens(run_dir)
     assert set(one[analysis.RUN_DIR]) == {str(run_dir)}
-    assert len(one) == len(pd.read_parquet(run_dir / TOKENS_TABLE))
+    assert len(one) == len(pd.read_parquet(table_file(run_dir, TOKENS_TABLE)))

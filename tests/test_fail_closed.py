@@ -16,13 +16,13 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from rlsweep_fixtures import multirun, run_rlsweep, tables_left, with_fault
+from rlsweep_fixtures import multirun, run_rlsweep, table_file, tables_left, with_fault
 
 from rlsweep.check import main as check_main
 from rlsweep.exitcodes import ExitCode, combine
 from rlsweep.locks import locked
 from rlsweep.manifest import HYDRA_CONFIG, MANIFEST_FILE
-from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, TOKENS_TABLE, TableError, read_table
+from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, PART_FILE, TOKENS_TABLE, TableError, read_table
 
 SMALL = ("profile=cpu_bf16", "layout=smoke", "tp=1,2")
 CONTROL_DECLARED = "expected_red=[{profiles:[negative_control_cpu],judgment:forward_invariance,reason:control}]"
@@ -75,7 +75,7 @@ def test_the_untouched_sweep_is_green(sweep, capsys):
 
 @pytest.mark.parametrize("table", [TOKENS_TABLE, CHECKS_TABLE, MANIFEST_FILE])
 def test_a_truncated_file_makes_the_sweep_incomplete(sweep, capsys, table):
-    path = sweep / "1" / table
+    path = sweep / "1" / MANIFEST_FILE if table == MANIFEST_FILE else table_file(sweep / "1", table)
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     code, output = check(sweep, capsys)
     assert code == ExitCode.INCOMPLETE, output
@@ -85,7 +85,7 @@ def test_a_truncated_file_makes_the_sweep_incomplete(sweep, capsys, table):
 def test_a_rewritten_table_with_valid_parquet_is_not_trusted(sweep, capsys):
     # A checks table whose verdicts were flipped to pass and whose metadata was stripped: valid Parquet,
     # but not the table the manifest names.
-    path = sweep / "0" / CHECKS_TABLE
+    path = table_file(sweep / "0", CHECKS_TABLE)
     table = pq.read_table(path).replace_schema_metadata(None)
     pq.write_table(
         table.set_column(table.schema.get_field_index("passed"), "passed", pa.array([True] * len(table))), path
@@ -98,7 +98,7 @@ def test_a_rewritten_table_with_valid_parquet_is_not_trusted(sweep, capsys):
 def test_a_tampered_manifest_is_incomplete(sweep, capsys):
     path = sweep / "0" / MANIFEST_FILE
     manifest = json.loads(path.read_text())
-    manifest["tables"][TOKENS_TABLE] = "0" * 64
+    manifest["tables"][TOKENS_TABLE]["sha256"] = "0" * 64
     path.write_text(json.dumps(manifest))
     code, output = check(sweep, capsys)
     assert code == ExitCode.INCOMPLETE, output
@@ -125,11 +125,11 @@ def test_a_missing_job_is_named(sweep, capsys, missing):
 
 def test_a_string_passed_column_is_refused_on_read(green_sweep, tmp_path):
     # "False" as a string is truthy: such a column must never be read as verdicts.
-    table = pq.read_table(green_sweep / "0" / CHECKS_TABLE)
+    table = pq.read_table(table_file(green_sweep / "0", CHECKS_TABLE))
     index = table.schema.get_field_index("passed")
-    pq.write_table(table.set_column(index, "passed", pa.array(["False"] * len(table))), tmp_path / CHECKS_TABLE)
+    pq.write_table(table.set_column(index, "passed", pa.array(["False"] * len(table))), tmp_path / "checks.parquet")
     with pytest.raises(TableError, match=r"passed: string \(expected bool\)"):
-        read_table(tmp_path / CHECKS_TABLE, CHECKS_SCHEMA)
+        read_table(tmp_path / "checks.parquet", CHECKS_SCHEMA)
 
 
 def test_a_gate_that_raises_ends_the_sweep_with_exit_1(tmp_path):
@@ -151,18 +151,19 @@ def test_a_gate_that_cannot_write_its_tables_ends_with_exit_1(tmp_path):
 
 
 def test_a_job_killed_between_its_tables_leaves_an_incomplete_run_that_resume_redoes(tmp_path, capsys):
-    # The process dies after tokens.parquet is in place and before checks.parquet and the manifest.
+    # The process dies after the tokens partition is in place and before the checks one and the manifest.
     fault = (
-        "import os, rlsweep.run\nwrite = rlsweep.run.write_tables\n"
-        "def dying(directory, tables, **kw):\n"
-        "    write(directory, {k: v for k, v in tables.items() if k == 'tokens.parquet'})\n    os._exit(137)\n"
-        "rlsweep.run.write_tables = dying"
+        "import os, rlsweep.run\npublish = rlsweep.run.publish_tables\n"
+        "def dying(location, tables):\n"
+        "    publish(location, {k: v for k, v in tables.items() if k == 'tokens'})\n    os._exit(137)\n"
+        "rlsweep.run.publish_tables = dying"
     )
     done = with_fault(fault, "rlsweep", f"hydra.sweep.dir={tmp_path}", *SMALL, "--multirun")
     assert done.returncode == 137
-    assert (tmp_path / "0" / TOKENS_TABLE).is_file() and not (tmp_path / "0" / MANIFEST_FILE).exists()
+    assert (tmp_path / TOKENS_TABLE / "job=0" / PART_FILE).is_file() and not (tmp_path / "0" / MANIFEST_FILE).exists()
     code, output = check(tmp_path, capsys)
     assert code == ExitCode.INCOMPLETE and "GREEN" not in output
+    assert "no run's manifest.json names this table" in output
     resumed = multirun(tmp_path, *SMALL)
     assert resumed.returncode == ExitCode.GREEN, resumed.stdout + resumed.stderr
     assert "is complete in" not in resumed.stdout  # nothing was complete, so nothing was skipped
@@ -216,7 +217,7 @@ def test_a_control_whose_declarations_match_nothing_is_red(tmp_path):
     done = multirun(tmp_path, "profile=negative_control_cpu", "layout=smoke", "layout.cells=[BN/packed]", "tp=1",
                     CONTROL_DECLARED)  # fmt: skip
     assert_not_green(done, ExitCode.RED)
-    checks = pd.read_parquet(tmp_path / "0" / CHECKS_TABLE)
+    checks = pd.read_parquet(tmp_path / CHECKS_TABLE)  # the sweep's checks dataset: its one job
     row = checks[checks.judgment == "expected_red"]
     assert len(row) == 1 and not row.passed.iloc[0] and row.value.iloc[0] == 0
     assert "negative_control_cpu" in row.detail.iloc[0]

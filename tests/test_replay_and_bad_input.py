@@ -95,7 +95,7 @@ def test_bad_replay_input_names_the_value_and_leaves_no_table(tmp_path, case):
 
 CONFIG_BAD_INPUTS = {
     "tp < 1": (["tp=0"], ConfigError, "tp must be an integer >= 1, got 0"),
-    "tp the geometry cannot serve": (["tp=16"], ConfigError, "tp=16 cannot be served"),
+    "tp above the largest served": (["tp=100000"], ConfigError, "tp=100000 is above 256"),
     "chunk_size < 1": (["layout.chunk_size=0"], ConfigError, "layout.chunk_size must be >= 1, got 0"),
     "needle outside its call": (["layout.needles=[{m: 4, pos: 9}]"], ConfigError, "m=4 pos=9"),
     "require_all false": (["contract.chain_logprob_aggregates.require_all=false"], ContractError, "require_all"),

@@ -1,22 +1,43 @@
-"""python -m rlsweep.report on a real sweep: the files, the embedded plots, the red table and the exit codes."""
+"""python -m rlsweep.report on a real sweep: the files, the embedded plots, the environment, the chain metrics,
+the red table (every row, folded in the HTML), the plots' labels and the exit codes."""
 
 from __future__ import annotations
 
 import base64
+import importlib.metadata
+import platform
 import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
+from rlsweep_fixtures import table_file
 
-from rlsweep import analysis
+from rlsweep import analysis, environment, plots
 from rlsweep.exitcodes import ExitCode
 from rlsweep.gate import run_gate
-from rlsweep.report import PLOTS, RED, REPORT_HTML, REPORT_MARKDOWN, main
+from rlsweep.judgments import JUDGMENTS, REPORTED_ONLY
+from rlsweep.report import (
+    CHAIN_JUDGMENT,
+    ENVIRONMENT_FIELDS,
+    PLOTS,
+    RED,
+    RED_GROUPS,
+    REPORT_HTML,
+    REPORT_MARKDOWN,
+    chain_table,
+    describe_device,
+    main,
+    recorded_environment,
+    red_verdicts,
+)
 from rlsweep.tables import CHECKS_TABLE
 
 DATA_URI = re.compile(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"')
+DETAILS = re.compile(r"<details><summary>(.*?)</summary>(.*?)</details>", re.S)
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +91,11 @@ def test_a_green_run_dir_exits_0_and_writes_only_to_out(small_sweep, tmp_path, c
 def test_a_crashed_job_is_incomplete_and_still_reported(small_sweep, tmp_path):
     copy = tmp_path / "sweep"
     shutil.copytree(small_sweep, copy, ignore=shutil.ignore_patterns(".rlsweep.lock"))
-    (analysis.run_dirs(copy)[-1] / CHECKS_TABLE).unlink()
+    missing = table_file(analysis.run_dirs(copy)[-1], CHECKS_TABLE)
+    missing.unlink()
     assert main([str(copy)]) == ExitCode.INCOMPLETE
     report = (copy / REPORT_MARKDOWN).read_text()
-    assert "Gate: **INCOMPLETE** (exit code 3)" in report and "checks.parquet is missing" in report
+    assert "Gate: **INCOMPLETE** (exit code 3)" in report and str(missing) in report
 
 
 @pytest.mark.parametrize("make", [lambda p: p / "absent", lambda p: p])
@@ -82,3 +104,98 @@ def test_a_directory_without_tables_is_a_usage_error(tmp_path, capsys, make):
     assert main([str(directory)]) == 1
     assert str(directory) in capsys.readouterr().err
     assert not (tmp_path / REPORT_HTML).exists()
+
+
+def markdown_section(markdown: str, title: str) -> str:
+    return markdown.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_environment_table_names_what_every_run_recorded(small_sweep, report_dir):
+    result = run_gate(small_sweep)
+    section = markdown_section((report_dir / REPORT_MARKDOWN).read_text(), "Environment")
+    rows = {line.split(" | ")[0].removeprefix("| "): line for line in section.splitlines() if line.startswith("| ")}
+    assert list(rows) == ["", "runs", *ENVIRONMENT_FIELDS]
+    assert rows[""] == "|  | environment 1 |"  # one machine, one checkout, one contract
+    run, recorded = result.runs[0].run, recorded_environment(result.runs[0])
+    expected = {
+        "runs": ", ".join(str(run.directory.relative_to(small_sweep)) for run in result.runs),
+        "device": f"{run['device']}: {recorded['device']['name']}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": importlib.metadata.version("triton"),
+        "git commit": recorded["git_commit"],
+        "sources sha256": recorded["code"]["sources_sha256"],
+        "contract": run["contract_version"],
+        "contract sha256": run["contract_sha256"],
+    }
+    assert expected.keys() == {"runs", *ENVIRONMENT_FIELDS}
+    for field, value in expected.items():
+        assert value and value in rows[field], (field, value, rows[field])
+
+
+def test_the_device_names_what_ran_and_a_missing_gpu_as_missing(monkeypatch):
+    cpu = {"device": environment.device_info("cpu")}
+    assert describe_device("cpu", cpu) == f"cpu: {environment.cpu_name()}; {torch.get_num_threads()} threads"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cuda = describe_device("cuda", {"device": environment.device_info("cuda")})
+    assert cuda == f"cuda: none: torch.cuda.is_available() is False on {environment.cpu_name()}"
+    assert describe_device("cuda", {}) == "cuda: name not recorded"
+
+
+def test_the_chain_section_has_every_chain_verdict_per_run_and_metric(small_sweep, report_dir):
+    assert CHAIN_JUDGMENT in JUDGMENTS
+    checks = analysis.load_checks(small_sweep)
+    chain = checks[checks["judgment"] == CHAIN_JUDGMENT]
+    table = chain_table(checks, small_sweep).set_index("metric")
+    assert list(table.index) == list(dict.fromkeys(chain["metric"].astype(str)))
+    assert len(table.columns) == chain["run_dir"].nunique()
+    for row in chain.itertuples():
+        column = f"{row.profile} tp={row.tp} ({Path(row.run_dir).relative_to(small_sweep)})"
+        assert table.loc[row.metric, column] == f"{row.value:.4g} / {row.threshold:.4g}", row
+    markdown = (report_dir / REPORT_MARKDOWN).read_text()
+    section = markdown_section(markdown, "Chain aggregates: what the mismatch does to an RL update")
+    assert all(f"| {metric} |" in section for metric in table.index)
+
+
+def test_a_chain_metric_without_threshold_is_reported_not_judged_unless_it_failed(small_sweep):
+    checks = analysis.load_checks(small_sweep)
+    chain = checks[checks["judgment"] == CHAIN_JUDGMENT]
+    unjudged, failing, not_run = chain["metric"].iloc[0], chain.index[-1], chain.index[-2]
+    unjudged_rows = chain.index[chain["metric"] == unjudged]
+    checks.loc[unjudged_rows, "threshold"] = float("nan")
+    checks.loc[unjudged_rows, "detail"] = f"{REPORTED_ONLY}: contract v1 has no row for it"
+    checks.loc[failing, "passed"] = False  # expected to pass: RED
+    checks.loc[not_run, ["value", "threshold", "passed"]] = [float("nan"), float("nan"), False]  # as provenance stops
+    table = chain_table(checks, small_sweep).set_index("metric")
+    assert all(entry.endswith(f"({REPORTED_ONLY})") for entry in table.loc[unjudged])
+    assert sorted(entry for entry in table.to_numpy().ravel() if entry.endswith(f" {RED}")) == sorted(
+        [f"{checks.loc[failing, 'value']:.4g} / {checks.loc[failing, 'threshold']:.4g} {RED}", f"nan {RED}"]
+    )
+
+
+def test_the_html_folds_every_red_verdict_and_leaves_none_out(small_sweep, report_dir):
+    red = red_verdicts(analysis.load_checks(small_sweep))
+    folded = DETAILS.findall((report_dir / REPORT_HTML).read_text())
+    groups = red.groupby(RED_GROUPS, sort=False).size()
+    assert len(folded) == len(groups) > 0
+    for (summary, table), count in zip(folded, groups, strict=True):
+        assert summary.endswith(f": {count} verdict" + ("s" if count != 1 else ""))
+        assert table.count("<tr") == count + 1  # the header, then one row per verdict
+    markdown = (report_dir / REPORT_MARKDOWN).read_text()
+    assert f"All {len(red)} failed or not-as-expected verdicts, none left out." in markdown
+
+
+def test_every_plot_labels_its_axes_and_explains_its_marks(small_sweep):
+    tokens = analysis.load_tokens(small_sweep)
+    heatmap = plots.heatmap(analysis.dlogp_vs_canonical(tokens))
+    grid, colorbar = heatmap.axes
+    assert grid.get_xlabel() and grid.get_ylabel() and colorbar.get_ylabel()
+    assert [text.get_text() for legend in heatmap.legends for text in legend.get_texts()]
+    atol = {profile: 0.125 for profile in tokens["profile"].unique()}
+    histograms = plots.histograms(analysis.dlogp_vs_reference(tokens), atol)
+    assert histograms.axes[-1].get_xlabel()
+    for ax in histograms.axes:
+        assert ax.get_ylabel() and ax.get_title()
+        labels = [text.get_text() for text in ax.get_legend().get_texts()]
+        assert len(labels) == 2 and "0.125" in labels[1], labels
+    plots.png_bytes(heatmap), plots.png_bytes(histograms)  # closes both figures

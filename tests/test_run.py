@@ -2,17 +2,31 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+
 import pandas as pd
 import pytest
 import torch
-from rlsweep_fixtures import compose_run, run_rlsweep, tables_left
+from rlsweep_fixtures import compose_run, run_rlsweep, table_file, tables_left
 
 from rlsweep.layouts import CANONICAL_CELL, plan_cells
 from rlsweep.manifest import verify_run
 from rlsweep.model import build_lm_head
 from rlsweep.run import EXECUTION_DTYPES
-from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, TOKENS_SCHEMA, TOKENS_TABLE, read_metadata
+from rlsweep.tables import (
+    CHECKS_SCHEMA,
+    CHECKS_TABLE,
+    SCHEMA_VERSION,
+    TOKENS_SCHEMA,
+    TOKENS_TABLE,
+    read_metadata,
+)
 from rlsweep.workload import build_workload
+
+CONF = Path(str(resources.files("conf")))
 
 
 def expected_cells(*overrides: str) -> list[str]:
@@ -24,6 +38,7 @@ def expected_cells(*overrides: str) -> list[str]:
 
 
 def read(directory):
+    """A single run's tables, read as a plain pandas user does: one dataset folder each."""
     return pd.read_parquet(directory / TOKENS_TABLE), pd.read_parquet(directory / CHECKS_TABLE)
 
 
@@ -49,7 +64,9 @@ def test_default_run_writes_both_tables_and_passes(tmp_path):
     assert not tokens.duplicated(["cell", "sample_id", "position"]).any()
     assert checks.passed.all() and checks.expected_pass.all()
     assert (checks.contract_sha256 == checks.contract_sha256.iloc[0]).all()
-    metadata = read_metadata(tmp_path / CHECKS_TABLE)
+    metadata = read_metadata(table_file(tmp_path, CHECKS_TABLE))
+    assert metadata["schema_version"] == SCHEMA_VERSION
+    assert read_metadata(table_file(tmp_path, TOKENS_TABLE))["schema_version"] == SCHEMA_VERSION
     assert {"config", "contract", "observed_provenance", "environment", "started", "finished"} <= set(metadata)
     assert metadata["environment"]["torch"] == torch.__version__
     progress = done.stdout + done.stderr
@@ -112,3 +129,16 @@ def test_an_inconsistent_logprob_contract_is_a_usage_error(tmp_path):
     assert done.returncode == 1
     assert "merge_order must be global_tile for cross_tp_bitwise; got 'rank_shard'" in done.stderr
     assert tables_left(tmp_path) == []
+
+
+def test_help_describes_every_group_with_its_options_and_names_the_command():
+    done = subprocess.run([sys.executable, "-m", "rlsweep", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    for group in ("model", "profile", "workload", "layout", "contract", "sweep"):
+        options = sorted(path.stem for path in (CONF / group).glob("*.yaml"))
+        assert f"{group}: {', '.join(options)}" in lines  # the options, as Hydra lists them
+        assert any(line.startswith(f"  {group} ") and len(line.split()) > 3 for line in lines), group  # described
+    assert "rlsweep -sc install=bash" in done.stdout
+    usage = subprocess.run([sys.executable, "-m", "rlsweep", "--bogus"], capture_output=True, text=True, timeout=120)
+    assert usage.returncode == 1 and usage.stderr.startswith("usage: rlsweep ")

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from rlsweep_fixtures import multirun
+from rlsweep_fixtures import multirun, with_fault
 
 from rlsweep.check import main as check_main
 from rlsweep.gate import SUMMARY_FILE, SWEEP_CHECKS_TABLE
-from rlsweep.tables import CHECKS_TABLE, TOKENS_TABLE
+from rlsweep.tables import CHECKS_TABLE, PART_FILE, TOKENS_TABLE
 
 SMALL = ("layout=smoke", "tp=1,2")
 
@@ -20,7 +20,7 @@ def sweep_checks(sweep_dir: Path) -> pd.DataFrame:
 
 
 def run_cells(sweep_dir: Path) -> set[str]:
-    return set(pd.read_parquet(next(sweep_dir.rglob(TOKENS_TABLE)), columns=["cell"])["cell"])
+    return set(pd.read_parquet(sweep_dir / TOKENS_TABLE, columns=["cell"])["cell"])
 
 
 def test_triton_sweep_is_green_with_a_bitwise_tp_row_for_every_cell(tmp_path):
@@ -59,26 +59,51 @@ def test_expected_red_that_passes_turns_the_sweep_red(tmp_path):
 
 
 def test_a_crashing_job_leaves_the_others_and_exits_1(tmp_path):
-    done = multirun(tmp_path, "profile=cpu_bf16", "layout=smoke", "tp=1,64,2")
+    fault = (
+        "import rlsweep.run\ncompute = rlsweep.run.compute\n"
+        "def crashing(cfg, *args, **kwargs):\n"
+        "    if cfg.tp == 2: raise RuntimeError('injected kernel crash')\n"
+        "    return compute(cfg, *args, **kwargs)\n"
+        "rlsweep.run.compute = crashing"
+    )
+    done = with_fault(fault, "rlsweep", f"hydra.sweep.dir={tmp_path}", "profile=cpu_bf16", "layout=smoke", "tp=1,2,4",
+                      "--multirun")  # fmt: skip
     assert done.returncode == 1, done.stdout + done.stderr
     output = done.stdout + done.stderr
-    assert "job #1 FAILED (profile=cpu_bf16 layout=smoke tp=64)" in output
-    assert "tp=64 cannot be served" in output
-    for job in ("0", "2"):
-        assert (tmp_path / job / CHECKS_TABLE).is_file(), f"job {job} lost its tables"
-    assert not (tmp_path / "1" / CHECKS_TABLE).exists()
+    assert "FAILED: job #1 (profile=cpu_bf16 layout=smoke tp=2) failed: injected kernel crash" in output
+    assert set(pd.read_parquet(tmp_path / CHECKS_TABLE, columns=["tp"])["tp"]) == {1, 4}  # the others' tables
+    assert not (tmp_path / CHECKS_TABLE / "job=1").exists()
     # Judged later from the tables on disk, the sweep is incomplete (3), naming the job that has no run.
     assert check_main([str(tmp_path)]) == 3
+
+
+def test_a_job_that_cannot_run_stops_the_sweep_before_any_job_runs(tmp_path):
+    done = multirun(tmp_path, "profile=cpu_bf16", "layout=smoke", "tp=1,2,0")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.strip() == (
+        "rlsweep: error: job #2 (profile=cpu_bf16 layout=smoke tp=0) cannot run: tp must be an integer >= 1, got 0"
+    )
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(("profile", "tp"), [("cpu_bf16", 3), ("cpu_bf16", 16), ("triton_cpu_bf16", 8)])
+def test_every_tp_is_served_by_ranks_that_may_hold_only_padding(tmp_path, profile, tp):
+    # tiny (V=3001) in CUDA-sized tiles of 1024 has 3 tiles of real columns: ranks past them hold padding only.
+    # The triton profile's tp row is bitwise, so all-padding ranks must merge as the exact identity.
+    done = multirun(tmp_path, f"profile={profile}", "layout=smoke", "profile.vocab_tile=1024", f"tp=1,{tp}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    tokens = pd.read_parquet(tmp_path / TOKENS_TABLE)
+    assert set(tokens["tp"]) == {1, tp} and tokens.loc[tokens.active, "owner_rank"].max() <= 2
 
 
 def test_rerun_into_the_same_sweep_dir_skips_complete_jobs(tmp_path):
     first = multirun(tmp_path, "profile=cpu_bf16", *SMALL)
     assert first.returncode == 0, first.stdout + first.stderr
-    written = {path: path.stat().st_mtime_ns for path in tmp_path.rglob(CHECKS_TABLE)}
+    written = {path: path.stat().st_mtime_ns for path in tmp_path.rglob(PART_FILE)}
     second = multirun(tmp_path, "profile=cpu_bf16", *SMALL)
     assert second.returncode == 0, second.stdout + second.stderr
     assert second.stdout.count("is complete in") == 2 and "(same content)" in second.stdout
-    assert {path: path.stat().st_mtime_ns for path in tmp_path.rglob(CHECKS_TABLE)} == written
+    assert {path: path.stat().st_mtime_ns for path in tmp_path.rglob(PART_FILE)} == written
 
 
 @pytest.mark.parametrize(
@@ -87,7 +112,7 @@ def test_rerun_into_the_same_sweep_dir_skips_complete_jobs(tmp_path):
 def test_launchers_run_the_sweep_and_the_gate(tmp_path, launcher):
     done = multirun(tmp_path, "profile=cpu_bf16", *SMALL, *launcher)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert len(list(tmp_path.rglob(CHECKS_TABLE))) == 2
+    assert len(list((tmp_path / CHECKS_TABLE).glob(f"job=*/{PART_FILE}"))) == 2
     assert len(sweep_checks(tmp_path).query("judgment == 'tp_invariance'"))
 
 
@@ -100,7 +125,7 @@ def test_sweep_declarations_apply_only_to_their_profiles_and_tp(tmp_path):
     declaration = "expected_red=[{profiles:[cpu_*],tp:[1],judgment:forward_invariance,cells:[B1/full],reason:x}]"
     done = multirun(tmp_path, "profile=cpu_bf16,negative_control_cpu", *SMALL, declaration)
     assert done.returncode == 2, done.stdout + done.stderr
-    checks = pd.concat([pd.read_parquet(path) for path in tmp_path.rglob(CHECKS_TABLE)])
+    checks = pd.read_parquet(tmp_path / CHECKS_TABLE)
     declared = checks[~checks["expected_pass"]]
     assert set(zip(declared["profile"], declared["tp"], declared["lhs_cell"], strict=True)) == {
         ("cpu_bf16", 1, "B1/full")
