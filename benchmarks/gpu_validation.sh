@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU validation recorded in docs/benchmarks.md and docs/testing.md: environment, the whole test
+# suite, the checked-in GPU sweep, the peaked workload, and the design card's command with tp up to 8.
+# Usage (from the repo root, on a CUDA machine): bash benchmarks/gpu_validation.sh [OUT_DIR]
+set -uo pipefail
+out="${1:-${OUT:-gpu-validation}}"
+mkdir -p "$out"
+summary="$out/summary.txt"
+: >"$summary"
+
+step() {  # step NAME COMMAND...: run, keep the log, record the exit code and the seconds it took
+    local name=$1; shift
+    local start=$SECONDS
+    "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    printf '%-14s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - start))" "$(tail -n 1 "$out/$name.log")" | tee -a "$summary"
+}
+
+python3 - <<'PY' | tee "$out/environment.txt"
+import platform, torch, triton
+print("python", platform.python_version(), "| torch", torch.__version__, "| triton", triton.__version__,
+      "| cuda", torch.version.cuda, "|", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")
+PY
+git rev-parse --short HEAD 2>/dev/null | tee -a "$out/environment.txt"
+
+step pytest python3 -m pytest -q -p no:cacheprovider -rs
+step gpu_tp python3 -m rlsweep sweep=gpu_tp hydra.sweep.dir="$out/gpu_tp"
+step peaked python3 -m rlsweep --multirun profile=triton_cuda_bf16,cuda_bf16 model=qwen3_8b workload=peaked \
+    hydra.sweep.dir="$out/peaked"
+step design_card python3 -m rlsweep profile=triton_cuda_bf16 tp=1,2,4,8 --multirun hydra.sweep.dir="$out/design_card"
+step report python3 -m rlsweep.report "$out/design_card"
+cat "$summary"
+grep -E "^(FAILED|ERROR|SKIPPED)" "$out/pytest.log" | cut -c1-220 | head -40
