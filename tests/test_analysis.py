@@ -14,6 +14,9 @@ from rlsweep.gate import SWEEP_CHECKS_TABLE, VERDICT_COUNTS
 from rlsweep.layouts import CANONICAL_CELL
 from rlsweep.tables import CHECKS_TABLE, PARTITION_KEY, RUN_COLUMNS, TOKENS_TABLE
 
+# One worker builds the shared small_sweep (conftest) once and runs every test that reads it.
+pytestmark = pytest.mark.xdist_group("small_sweep")
+
 
 @pytest.fixture(scope="module")
 def tokens(small_sweep):

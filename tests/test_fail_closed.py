@@ -22,8 +22,11 @@ from rlsweep.check import main as check_main
 from rlsweep.exitcodes import ExitCode, combine
 from rlsweep.locks import locked
 from rlsweep.manifest import HYDRA_CONFIG, MANIFEST_FILE
+from rlsweep.report import main as report_main
 from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, PART_FILE, TOKENS_TABLE, TableError, read_table
 
+# One worker builds the module's green sweep once and runs every test here.
+pytestmark = pytest.mark.xdist_group("fail_closed")
 SMALL = ("profile=cpu_bf16", "layout=smoke", "tp=1,2")
 CONTROL_DECLARED = "expected_red=[{profiles:[negative_control_cpu],judgment:forward_invariance,reason:control}]"
 
@@ -260,18 +263,19 @@ def test_duplicate_cells_are_refused_up_front(tmp_path):
     assert "['B1/full'] appear more than once" in done.stderr
 
 
-@pytest.mark.parametrize(
-    "args",
-    [
-        [sys.executable, "-m", "rlsweep", "--no-such-flag"],
-        [sys.executable, "-m", "rlsweep.check"],
-        [sys.executable, "-m", "rlsweep.check", "--no-such-flag", "."],
-        [sys.executable, "-m", "rlsweep.report"],
-    ],
-)
-def test_usage_errors_are_exit_1_not_red(args):
-    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+def test_a_usage_error_is_exit_1_not_red_and_names_the_command():
+    done = subprocess.run(
+        [sys.executable, "-m", "rlsweep", "--no-such-flag"], capture_output=True, text=True, timeout=120
+    )
     assert_not_green(done, ExitCode.ERROR)
+    assert done.stderr.startswith("usage: rlsweep "), done.stderr  # not __main__.py
+
+
+@pytest.mark.parametrize("main", [check_main, report_main])
+@pytest.mark.parametrize("argv", [[], ["--no-such-flag", "."]])
+def test_usage_errors_of_check_and_report_are_exit_1(main, argv, capsys):
+    assert main(argv) == ExitCode.ERROR
+    assert "usage: python -m rlsweep." in capsys.readouterr().err
 
 
 def test_check_on_a_dir_without_runs_is_an_error(tmp_path, capsys):

@@ -303,7 +303,7 @@ def test_estimate_covers_the_measured_peak_of_a_cpu_run():
     """The estimate is an upper bound of what a real run's peak RSS grows by (a head where float64 dominates)."""
     from pathlib import Path
 
-    overrides = ["model.vocab_size=16384", "model.hidden_size=1024", "layout=smoke"]
+    overrides = ["model.vocab_size=8192", "model.hidden_size=512", "layout=smoke"]
     script = MEASURE.format(tests=str(Path(__file__).parent), overrides=overrides)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

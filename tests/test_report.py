@@ -36,6 +36,9 @@ from rlsweep.report import (
 )
 from rlsweep.tables import CHECKS_TABLE
 
+# One worker builds the shared small_sweep (conftest) once and runs every test that reads it.
+pytestmark = pytest.mark.xdist_group("small_sweep")
+
 DATA_URI = re.compile(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"')
 DETAILS = re.compile(r"<details><summary>(.*?)</summary>(.*?)</details>", re.S)
 

@@ -18,6 +18,9 @@ import torch
 from rlsweep import analysis
 from rlsweep.report import PLOTS, RED_GROUPS, REPORT_HTML, main, red_verdicts
 
+# One worker builds the shared small_sweep (conftest) once and runs every test that reads it.
+pytestmark = pytest.mark.xdist_group("small_sweep")
+
 CHROMIUM = Path("/usr/bin/chromium")  # Debian's package; Playwright's own browser download is not used
 BROWSER_REQUIRED = "RLSWEEP_BROWSER_REQUIRED"
 # Headless (Playwright also drops the sandbox, which root cannot use) on machines without a GPU or outside network.
