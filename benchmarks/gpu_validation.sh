@@ -21,13 +21,13 @@ import platform, torch, triton
 print("python", platform.python_version(), "| torch", torch.__version__, "| triton", triton.__version__,
       "| cuda", torch.version.cuda, "|", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")
 PY
-git rev-parse --short HEAD 2>/dev/null | tee -a "$out/environment.txt"
+python3 -m pip list 2>/dev/null | grep -iE "^(numpy|pandas|pyarrow|hydra-core) " | tee -a "$out/environment.txt"
 
 step pytest python3 -m pytest -q -p no:cacheprovider -rs
 step gpu_tp python3 -m rlsweep sweep=gpu_tp hydra.sweep.dir="$out/gpu_tp"
-step peaked python3 -m rlsweep --multirun profile=triton_cuda_bf16,cuda_bf16 model=qwen3_8b workload=peaked \
-    hydra.sweep.dir="$out/peaked"
-step design_card python3 -m rlsweep profile=triton_cuda_bf16 tp=1,2,4,8 --multirun hydra.sweep.dir="$out/design_card"
+step peaked python3 -m rlsweep profile=triton_cuda_bf16,cuda_bf16 model=qwen3_8b workload=peaked \
+    hydra.sweep.dir="$out/peaked" --multirun
+step design_card python3 -m rlsweep profile=triton_cuda_bf16 tp=1,2,4,8 hydra.sweep.dir="$out/design_card" --multirun
 step report python3 -m rlsweep.report "$out/design_card"
 cat "$summary"
 grep -E "^(FAILED|ERROR|SKIPPED)" "$out/pytest.log" | cut -c1-220 | head -40

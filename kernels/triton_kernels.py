@@ -42,12 +42,17 @@ def widen_to_fp32(x):
 
 @triton.jit(do_not_specialize=["M", "N"])
 def invariant_matmul_kernel(
-    a_ptr, b_ptr, c_ptr, M, N, K,
+    a_ptr, b_ptr, c_ptr, M, N, K: tl.constexpr,
     stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
-    """c[M, N] = a[M, K] @ b[N, K].T with one fixed tiling, no split-K and K walked in order."""
+    """c[M, N] = a[M, K] @ b[N, K].T with one fixed tiling, no split-K and K walked in order.
+
+    K (the hidden size) and the merge's tile count are compile-time constants: loop bounds that every
+    Triton the kernels support reads the same way (triton 3.6's interpreter cannot take a runtime int as a
+    Python range bound).
+    """
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
@@ -118,8 +123,8 @@ def tile_partials_kernel(
     tl.store(sum_ptr + out, s, mask=rows < T)
 
 
-@triton.jit(do_not_specialize=["T", "n_tiles"])
-def ordered_merge_kernel(max_ptr, sum_ptr, lse_ptr, T, n_tiles, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["T"])
+def ordered_merge_kernel(max_ptr, sum_ptr, lse_ptr, T, n_tiles: tl.constexpr, BLOCK: tl.constexpr):
     """lse[T] from per-tile partials [T, n_tiles], merged strictly left to right."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = rows < T
