@@ -27,7 +27,11 @@ step pytest python3 -m pytest -q -p no:cacheprovider -rs
 step gpu_tp python3 -m rlsweep sweep=gpu_tp hydra.sweep.dir="$out/gpu_tp"
 step peaked python3 -m rlsweep profile=triton_cuda_bf16,cuda_bf16 model=qwen3_8b workload=peaked \
     hydra.sweep.dir="$out/peaked" --multirun
-step design_card python3 -m rlsweep profile=triton_cuda_bf16 tp=1,2,4,8 hydra.sweep.dir="$out/design_card" --multirun
-step report python3 -m rlsweep.report "$out/design_card"
+# The design card's command exactly as written: its sweep lands under outputs/multirun/<date>/<time>.
+step design_card python3 -m rlsweep profile=triton_cuda_bf16 tp=1,2,4,8 --multirun
+card=$(ls -d outputs/multirun/*/* | tail -n 1)
+step report python3 -m rlsweep.report "$card"
+echo "design card sweep: $card" | tee -a "$summary"
+cp -r "$card" "$out/design_card"
 cat "$summary"
 grep -E "^(FAILED|ERROR|SKIPPED)" "$out/pytest.log" | cut -c1-220 | head -40
