@@ -81,7 +81,7 @@ def bf16_rounded_limit(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
     return float((logp(rounded) - logp(x)).abs().max())
 
 
-@pytest.mark.parametrize("seed", [11, 12])
+@pytest.mark.parametrize("seed", [11])  # more seeds and shapes: tests/test_kernel_accuracy.py (rounding_bound)
 def test_triton_on_the_cpu_is_as_accurate_as_bf16_logits_allow(seed, device, make_inputs):
     """Round-to-nearest logits: within 1.05x the exact limit of bf16-rounded logits (truncation gave ~1.7x)."""
     if not triton_runs_on(device):

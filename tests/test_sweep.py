@@ -133,7 +133,8 @@ def test_sweep_declarations_apply_only_to_their_profiles_and_tp(tmp_path):
 
 
 def test_distributed_gloo_ranks_inside_a_sweep_match_emulated_bitwise(tmp_path):
-    done = multirun(tmp_path, "profile=triton_cpu_bf16", "layout=smoke", "tp=2", "tp_mode=emulated,distributed")
+    done = multirun(tmp_path, "profile=triton_cpu_bf16", "layout=smoke", "profile.vocab_tile=1024", "tp=2",
+                    "tp_mode=emulated,distributed")  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     rows = sweep_checks(tmp_path).query("judgment == 'tp_invariance'")
     assert set(rows["tp_mode"]) == {"distributed"} and set(rows["lhs_cell"]) == run_cells(tmp_path)
