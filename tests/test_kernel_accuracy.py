@@ -58,11 +58,11 @@ def test_lm_head_logprob_matches_float64(backend, dtype, vocab, vocab_tile, devi
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("backend", CANDIDATES)
 def test_bf16_accuracy_holds_for_every_listed_seed(backend, seed, device, make_inputs):
-    """Shapes that are not powers of two (17 rows, H = 80, V = 3001), one fixed seed each."""
+    """Shapes that are not powers of two (17 rows, H = 80, V = 3001: a ragged last tile), one fixed seed each."""
     skip_unless_runnable(backend, device)
     inp = make_inputs(17, 80, 3001, torch.bfloat16, device, seed=seed)
     reference = kernels.lm_head_logprob(inp.hidden, inp.weight, inp.targets, backend="reference")
-    result = kernels.lm_head_logprob(inp.hidden, inp.weight, inp.targets, backend=backend, vocab_tile=256)
+    result = kernels.lm_head_logprob(inp.hidden, inp.weight, inp.targets, backend=backend, vocab_tile=1024)
     assert_within_bound(result, reference, inp, torch.bfloat16)
 
 
