@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ import torch
 import kernels
 from rlsweep.contract import FORWARD_TENSORS
 from rlsweep.errors import SelectionError, TablesNotFoundError
-from rlsweep.gate import SWEEP_CHECKS_TABLE, TP_MODE_ORDER, count_verdicts, discover
+from rlsweep.gate import COMPARABLE_COLUMNS, SWEEP_CHECKS_TABLE, baseline_order, count_verdicts, discover
 from rlsweep.judgments import JUDGMENTS
 from rlsweep.layouts import CANONICAL_CELL
 from rlsweep.manifest import MANIFEST_FILE, verify_run
@@ -41,7 +40,7 @@ NULLABLE_COLUMNS = ("first_sample_id", "first_position")  # null when nothing di
 KEY = ("sample_id", "position")  # the logical identity of a token (docs/index.md)
 REFERENCE = "reference"  # rhs of dlogp meaning: the float64 reference logp of the lhs tokens themselves
 SUMMARY_GROUPS = ("profile", "model", "tp", "judgment")
-RUN_GROUP = ("profile", "model", "weight_hash", "workload")  # runs whose tokens are comparable across tp
+RUN_GROUP = ("profile", *COMPARABLE_COLUMNS)  # runs whose tokens are comparable across tp (the gate's rule)
 DIFF_COLUMNS = (RUN_DIR, "profile", "model", "workload", "tp", "tp_mode", "cell", *KEY, "target_id")
 LEADING_CATEGORIES = {"judgment": JUDGMENTS, LEVEL: (RUN_LEVEL, SWEEP_LEVEL)}
 
@@ -266,15 +265,10 @@ def baseline_runs(tokens: pd.DataFrame) -> pd.DataFrame:
     The baseline is chosen as the gate chooses the tp_invariance baseline: smallest tp, emulated first.
     """
     runs = tokens[[*RUN_GROUP, "tp", "tp_mode", RUN_DIR]].drop_duplicates().astype({RUN_DIR: str, "tp_mode": str})
-    runs = runs.assign(mode_rank=runs["tp_mode"].map(TP_MODE_ORDER.index), dir_key=runs[RUN_DIR].map(run_dir_key))
-    runs = runs.sort_values(["tp", "mode_rank", "dir_key"])
+    order = [baseline_order(*key) for key in zip(runs["tp"], runs["tp_mode"], runs[RUN_DIR], strict=True)]
+    runs = runs.iloc[sorted(range(len(runs)), key=order.__getitem__)]
     runs["baseline"] = runs.groupby(list(RUN_GROUP), observed=True)[RUN_DIR].transform("first")
-    return runs.drop(columns=["mode_rank", "dir_key"]).reset_index(drop=True)
-
-
-def run_dir_key(run_dir: str) -> str:
-    """A string that sorts run dirs naturally (job 2 before job 10)."""
-    return re.sub(r"\d+", lambda m: m.group().zfill(12), run_dir)
+    return runs.reset_index(drop=True)
 
 
 def dlogp_vs_canonical(tokens: pd.DataFrame, tensor: str = "logp") -> pd.DataFrame:

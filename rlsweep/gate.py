@@ -10,6 +10,7 @@ seed and tp. Reading from disk makes the gate work with any launcher.
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from itertools import combinations
@@ -62,6 +63,8 @@ BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 SWEEP_CHECKS_TABLE = "sweep_checks.parquet"
 SUMMARY_FILE = "summary.md"
 TP_MODE_ORDER = ("emulated", "distributed")  # the baseline of a tp group is emulated when both ran
+# Runs whose tokens can be compared token by token: the same inputs. A tp group adds the profile.
+COMPARABLE_COLUMNS = ("model", "weight_hash", "workload", "seed")
 VERDICT_GROUPS = ("profile", "tp", "judgment")
 VERDICT_COUNTS = ("passed", "failed", "unexpected")  # unexpected: passed != expected_pass
 
@@ -287,8 +290,13 @@ def declaration_check(runs: Sequence[RunTables], sweep_rows: Sequence[dict[str, 
 
 
 def sweep_group(run: RunTables) -> tuple:
-    """What must be equal for two runs' tokens to be comparable."""
-    return (run.run["model"], run.run["weight_hash"], run.run["workload"], run.config.get("seed"))
+    """What must be equal for two runs' tokens to be comparable (COMPARABLE_COLUMNS)."""
+    return tuple(run.run[column] for column in COMPARABLE_COLUMNS)
+
+
+def baseline_order(tp: int, tp_mode: str, directory: str) -> tuple:
+    """Runs of one group sort by this; the first is the tp baseline: smallest tp, emulated first, then job order."""
+    return (tp, TP_MODE_ORDER.index(tp_mode), re.sub(r"\d+", lambda m: m.group().zfill(12), directory))
 
 
 def tp_pairs(runs: Sequence[RunTables]) -> Iterable[tuple[RunTables, RunTables]]:
@@ -297,7 +305,7 @@ def tp_pairs(runs: Sequence[RunTables]) -> Iterable[tuple[RunTables, RunTables]]
     for run in runs:
         groups.setdefault((run.run["profile"], *sweep_group(run)), []).append(run)
     for members in groups.values():
-        members.sort(key=lambda r: (r.run["tp"], TP_MODE_ORDER.index(r.run["tp_mode"]), str(r.directory)))
+        members.sort(key=lambda r: baseline_order(r.run["tp"], r.run["tp_mode"], str(r.directory)))
         yield from ((member, members[0]) for member in members[1:])
 
 

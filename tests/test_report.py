@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rlsweep_fixtures import table_file
+from rlsweep_fixtures import multirun, table_file
 
 from rlsweep import analysis, environment, plots
 from rlsweep.exitcodes import ExitCode
@@ -202,3 +202,12 @@ def test_every_plot_labels_its_axes_and_explains_its_marks(small_sweep):
         labels = [text.get_text() for text in ax.get_legend().get_texts()]
         assert len(labels) == 2 and "0.125" in labels[1], labels
     plots.png_bytes(heatmap), plots.png_bytes(histograms)  # closes both figures
+
+
+def test_a_seed_sweep_is_reported_with_each_seed_against_its_own_baseline(tmp_path):
+    # Runs that differ only by seed hold different tokens: the gate and the report group them apart alike.
+    done = multirun(tmp_path, "profile=cpu_bf16", "layout=smoke", "seed=0,1", "tp=1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    runs = analysis.baseline_runs(analysis.load_tokens(tmp_path))
+    assert len(runs) == 2 and (runs["baseline"] == runs[analysis.RUN_DIR]).all()
+    assert main([str(tmp_path)]) == ExitCode.GREEN
