@@ -1,4 +1,4 @@
-"""pandas over rlsweep tables (SPEC §4.12): load runs, sweeps or whole trees, and ask the usual questions.
+"""pandas over rlsweep tables (docs/analysis.md): load runs, sweeps or whole trees, and ask the usual questions.
 
 Loaders take a run dir, a sweep dir or an ``outputs/`` tree and find the tables recursively. dtypes are
 derived from the table schemas: string columns become categoricals (``detail`` stays text), ``tp`` and

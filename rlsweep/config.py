@@ -1,4 +1,4 @@
-"""Structured configs: the schema Hydra validates every composed run config against (SPEC §4.1)."""
+"""Structured configs: the schema Hydra validates every composed run config against (docs/index.md)."""
 
 from __future__ import annotations
 

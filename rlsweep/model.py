@@ -1,4 +1,4 @@
-"""The lm_head under test: its geometry fingerprint and its weight, synthetic or from safetensors (SPEC §4.2)."""
+"""The lm_head under test: its geometry fingerprint and its weight, synthetic or from safetensors (docs/index.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The logical tokens of a run, keyed by (sample_id, position) and stored in canonical packed order (SPEC §4.3)."""
+"""The logical tokens of a run, keyed by (sample_id, position) and stored in canonical packed order (docs/index.md)."""
 
 from __future__ import annotations
 

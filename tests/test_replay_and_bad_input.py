@@ -1,4 +1,4 @@
-"""Replay files judged against float64 answers, and every single-run bad input of SPEC §5."""
+"""Replay files judged against float64 answers, and every single-run bad input (docs/index.md, "Input bounds")."""
 
 from __future__ import annotations
 
