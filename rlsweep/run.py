@@ -137,7 +137,7 @@ def check_tp_geometry(vocab_size: int, vocab_tile: int, tp: int) -> None:
     """
     if tp > MAX_TP:
         raise ConfigError(f"tp={tp} is above {MAX_TP}, the largest tp rlsweep runs; use 1 <= tp <= {MAX_TP}")
-    kernels.padded_vocab_size(vocab_size, vocab_tile, tp)  # with MAX_TP and MAX_VOCAB_TILE, at most 2**22 columns
+    kernels.padded_vocab_size(vocab_size, vocab_tile, tp)  # MAX_TP x MAX_VOCAB_TILE: padding adds < 2**22 columns
 
 
 def check_distributed_devices(cfg: DictConfig) -> None:
