@@ -3,19 +3,26 @@
 Public API; everything else in this package is an implementation detail.
 """
 
-from kernels import (  # noqa: F401  (register the backends)
-    aten,
-    builtin_capabilities,
-    control,
-    reference,
-    triton_backend,
+# Importing a backend's module registers it; this order is the order ``auto`` dispatch tries them in.
+# isort: off
+from kernels import triton_backend, aten, reference, control  # noqa: F401
+
+# isort: on
+from kernels.backend import (
+    BACKENDS,
+    OP_NODES,
+    LogprobBackend,
+    ShardPartials,
+    register_backend,
+    registered_backends,
+    unregister_backend,
 )
-from kernels.backend import BACKENDS, OP_NODES, LogprobBackend, ShardPartials, register_backend
 from kernels.bitwise import bit_pattern, bit_view, first_bit_difference
-from kernels.capability import ImplementationKind, LogprobBackendCapability
+from kernels.capability import DispatchPolicy, ImplementationKind, LogprobBackendCapability
 from kernels.contract import (
     EXECUTION_DTYPE_NAMES,
     PLATFORMS,
+    TP_MODES,
     DeterminismScope,
     LogprobContract,
     LogprobContractError,
@@ -26,15 +33,11 @@ from kernels.contract import (
     ReductionSpec,
 )
 from kernels.dispatch import (
-    DispatchPolicy,
     LogprobDispatchError,
     LogprobOp,
     RankAgreement,
     get_logprob_op,
-    register_logprob_backend,
-    registered_logprob_backends,
     resolve_logprob_backend,
-    unregister_logprob_backend,
 )
 from kernels.distributed import RankGroup, distributed_ranks
 from kernels.errors import (
@@ -48,19 +51,19 @@ from kernels.errors import (
     TPConfigError,
 )
 from kernels.launches import KernelLaunch, launch_torch, launch_triton
-from kernels.lm_head import DEFAULT_VOCAB_TILE, TP_MODES, LogprobResult, lm_head_logprob, logprob, matmul
+from kernels.lm_head import DEFAULT_VOCAB_TILE, lm_head_logprob, logprob, matmul
 from kernels.provenance import (
     NodeProvenance,
     Provenance,
     ProvenanceMismatchError,
-    dtype_name,
     observe,
     provenance_mismatches,
     require_provenance,
 )
+from kernels.ranks import LogprobResult
 from kernels.rounding import RoundingBound, rounding_bound
 from kernels.sharding import ShardingSpec, padded_vocab_size
-from kernels.validation import EXECUTION_DTYPES, IGNORE_INDEX
+from kernels.validation import EXECUTION_DTYPES, IGNORE_INDEX, dtype_name
 
 __all__ = [
     "BACKENDS",
@@ -118,10 +121,9 @@ __all__ = [
     "padded_vocab_size",
     "provenance_mismatches",
     "register_backend",
-    "register_logprob_backend",
-    "registered_logprob_backends",
+    "registered_backends",
     "require_provenance",
     "resolve_logprob_backend",
     "rounding_bound",
-    "unregister_logprob_backend",
+    "unregister_backend",
 ]

@@ -17,6 +17,8 @@ from kernels.backend import (
     segment_partials,
     stock_matmul,
 )
+from kernels.capability import ImplementationKind, LogprobBackendCapability
+from kernels.contract import EXECUTION_DTYPE_NAMES, DeterminismScope, MergeOrder
 from kernels.launches import launch_torch
 from kernels.provenance import NodeProvenance, observe
 from kernels.sharding import ShardingSpec
@@ -29,6 +31,13 @@ from kernels.sharding import ShardingSpec
         "logprob": SEGMENT_PARTIALS_OPS | {"aten::log_softmax.int"},  # log_softmax: tp = 1
         "tp_merge": MEGATRON_MERGE_OPS | {"aten::logsumexp"},  # logsumexp: tp = 1
     },
+    # Megatron-style per-shard (max, sumexp): the grouping of the vocab sum changes with tp.
+    capability=LogprobBackendCapability(
+        implementation_kind=ImplementationKind.PRODUCTION,
+        dtypes=frozenset(EXECUTION_DTYPE_NAMES),
+        determinism_scopes=frozenset({DeterminismScope.FIXED_TOPOLOGY}),
+        merge_orders=frozenset({MergeOrder.RANK_SHARD}),
+    ),
 )
 class AtenBackend:
     id: str

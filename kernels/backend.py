@@ -1,9 +1,10 @@
-"""The backend interface and the table of built-in implementations.
+"""The backend interface and the one registry of backends.
 
 A backend supplies three op nodes for one rank's vocab shard: ``matmul`` (hidden @ weight.T),
 ``shard_partials`` (per-segment (max, sumexp) and the owned target logits) and ``merge``
 (all ranks' partials in rank order -> lse). ``kernels.lm_head`` composes them for any TP degree.
-Registering a backend declares, per op node, the kernels that node may launch.
+Registering a backend (``register_backend``) declares, per op node, the kernels that node may launch,
+and the contracts it honours (its ``LogprobBackendCapability``, which dispatch reads; docs/dispatch.md).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from kernels.capability import DispatchPolicy, LogprobBackendCapability
+from kernels.contract import PLATFORMS, LogprobContractError
 from kernels.errors import BackendUnavailableError
 from kernels.launches import launch_torch
 from kernels.sharding import ShardingSpec
@@ -51,6 +54,7 @@ class LogprobBackend(Protocol):
 
     id: str
     declared_kernels: Mapping[str, frozenset[str]]  # op node -> the kernel names it may launch
+    capability: LogprobBackendCapability  # the contracts it honours, read by dispatch
 
     def matmul(self, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, NodeProvenance]:
         """hidden[T, H] @ weight[V, H].T -> logits[T, V]."""
@@ -64,25 +68,66 @@ class LogprobBackend(Protocol):
         """Partials of every rank, in rank order -> lse[T]."""
 
 
+# backend id -> instance, in registration order (the order ``auto`` dispatch tries production backends in).
 BACKENDS: dict[str, LogprobBackend] = {}
 
 
-def register_backend(backend_id: str, *, kernels: Mapping[str, Iterable[str]]) -> Callable[[type], type]:
-    """Class decorator: instantiate the backend, make it reachable by ``backend_id`` and record ``kernels``.
+def register_backend(
+    backend_id: str,
+    *,
+    kernels: Mapping[str, Iterable[str]],
+    capability: LogprobBackendCapability,
+    replace: bool = False,
+) -> Callable[[type], type]:
+    """Class decorator: instantiate the backend and make it reachable by ``backend_id`` with its declarations.
 
     ``kernels`` maps every op node to the names of the kernels it may launch: a Triton kernel's
-    ``module.function`` or an aten overload's ``op.name()`` (see ``kernels.launches``).
+    ``module.function`` or an aten overload's ``op.name()`` (see ``kernels.launches``); a bad one raises
+    ``ValueError``. ``capability`` says which contracts (platforms and tp modes included) the backend honours.
+    A bad id or capability, or an id already registered without ``replace=True``, raises ``LogprobContractError``.
+    Re-registering with ``replace=True`` keeps the id's place in the registration order.
     """
+    if not isinstance(backend_id, str) or not backend_id or backend_id != backend_id.strip():
+        raise LogprobContractError(
+            f"backend_id must be a non-empty string without surrounding spaces; got {backend_id!r}"
+        )
+    if backend_id in {policy.value for policy in DispatchPolicy}:
+        raise LogprobContractError(f"backend_id {backend_id!r} is a dispatch policy name and cannot name a backend")
     declared = _declared_kernels(backend_id, kernels)
+    if not isinstance(capability, LogprobBackendCapability):
+        raise LogprobContractError(f"capability must be a LogprobBackendCapability; got {capability!r}")
 
     def decorate(cls: type) -> type:
+        if backend_id in BACKENDS and not replace:
+            raise LogprobContractError(
+                f"backend {backend_id!r} is already registered; pass replace=True to redeclare it"
+            )
         instance = cls()
         instance.id = backend_id
         instance.declared_kernels = declared
+        instance.capability = capability
         BACKENDS[backend_id] = instance
         return cls
 
     return decorate
+
+
+def unregister_backend(backend_id: str) -> LogprobBackend:
+    """Remove ``backend_id`` from the registry and return its instance."""
+    if backend_id not in BACKENDS:
+        raise LogprobContractError(f"backend {backend_id!r} is not registered")
+    return BACKENDS.pop(backend_id)
+
+
+def registered_backends(platform: str | None = None) -> dict[str, LogprobBackendCapability]:
+    """A copy of every backend's capability, in registration order; only those declared for ``platform`` if given."""
+    if platform is not None and platform not in PLATFORMS:
+        raise LogprobContractError(f"platform must be one of {', '.join(PLATFORMS)}; got {platform!r}")
+    return {
+        backend_id: impl.capability
+        for backend_id, impl in BACKENDS.items()
+        if platform is None or platform in impl.capability.platforms
+    }
 
 
 def _declared_kernels(backend_id: str, kernels: Mapping[str, Iterable[str]]) -> dict[str, frozenset[str]]:

@@ -1,15 +1,21 @@
-"""What a logprob backend declares it can honour, and why a given contract is out of its reach."""
+"""What a logprob backend declares it can honour, and why a given contract is out of its reach.
+
+A backend declares its capability where it is registered (``kernels.backend.register_backend``); dispatch
+reads it from there (docs/dispatch.md).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any
 
 from kernels.contract import (
     EXECUTION_DTYPE_NAMES,
     FLOAT_RESULT_DTYPE_NAMES,
+    PLATFORMS,
+    TP_MODES,
     DeterminismScope,
     LogprobContract,
     LogprobContractError,
@@ -22,12 +28,22 @@ from kernels.contract import (
 from kernels.validation import IGNORE_INDEX
 
 
-class ImplementationKind(str, Enum):
+class ImplementationKind(StrEnum):
     """What a backend is for; only PRODUCTION backends are ever chosen without being named."""
 
     REFERENCE = "reference"  # the gold the others are judged against
     PRODUCTION = "production"  # a kernel meant to run in training or rollout
     NEGATIVE_CONTROL = "negative_control"  # deliberately wrong in a known way, to prove the harness sees it
+
+
+class DispatchPolicy(StrEnum):
+    """How the backend was chosen; ``requested_backend="auto"`` is AUTO, a backend id is EXPLICIT.
+
+    Its values are reserved: no backend may be registered under them.
+    """
+
+    EXPLICIT = "explicit"
+    AUTO = "auto"
 
 
 def _choices(field_name: str, values: Iterable[Any], parse) -> frozenset:
@@ -41,12 +57,19 @@ def _choices(field_name: str, values: Iterable[Any], parse) -> frozenset:
 
 @dataclass(frozen=True)
 class LogprobBackendCapability:
-    """The contracts one backend honours; ``tp_sizes`` None means every TP degree the geometry allows."""
+    """The contracts one backend honours; ``tp_sizes`` None means every TP degree the geometry allows.
+
+    ``platforms`` (default: every one of ``PLATFORMS``) are where it runs; ``tp_modes`` (default: both of
+    ``TP_MODES``) are how its ranks may run. A claim must be one the backend keeps; layout (row-count)
+    invariance is never claimed, because that is what sweeps measure.
+    """
 
     implementation_kind: ImplementationKind
     dtypes: frozenset[str]
     determinism_scopes: frozenset[DeterminismScope]
     merge_orders: frozenset[MergeOrder]
+    platforms: frozenset[str] = frozenset(PLATFORMS)
+    tp_modes: frozenset[str] = frozenset(TP_MODES)
     mask_modes: frozenset[MaskMode] = frozenset({MaskMode.IGNORE_INDEX})
     ignore_index: int | None = IGNORE_INDEX
     tp_sizes: frozenset[int] | None = None
@@ -59,6 +82,8 @@ class LogprobBackendCapability:
         setattr_ = object.__setattr__
         kind = parse_choice("capability.implementation_kind", self.implementation_kind, ImplementationKind)
         setattr_(self, "implementation_kind", kind)
+        setattr_(self, "platforms", _choices("capability.platforms", self.platforms, _platform))
+        setattr_(self, "tp_modes", _choices("capability.tp_modes", self.tp_modes, _tp_mode))
         setattr_(self, "dtypes", _choices("capability.dtypes", self.dtypes, _dtype_name))
         setattr_(
             self,
@@ -78,10 +103,14 @@ class LogprobBackendCapability:
         ):
             raise LogprobContractError(f"capability.ignore_index must be an int or None; got {self.ignore_index!r}")
 
-    def incompatibilities(self, contract: LogprobContract) -> list[str]:
-        """One line per contract field this backend cannot honour; empty when it can serve the contract."""
+    def incompatibilities(self, contract: LogprobContract, *, tp_mode: str | None = None) -> list[str]:
+        """One line per contract field (and ``tp_mode``, when given) this backend cannot honour; empty when none."""
         reasons = []
         sharding, reduction, mask = contract.sharding, contract.reduction, contract.mask
+        if contract.platform not in self.platforms:
+            reasons.append(f"platform {contract.platform!r} unsupported (declared for {_listed(self.platforms)})")
+        if tp_mode is not None and tp_mode not in self.tp_modes:
+            reasons.append(f"tp_mode {tp_mode!r} unsupported (supports {_listed(self.tp_modes)})")
         if contract.dtype not in self.dtypes:
             reasons.append(f"dtype {contract.dtype!r} unsupported (supports {_listed(self.dtypes)})")
         if self.tp_sizes is not None and sharding.world_size not in self.tp_sizes:
@@ -113,6 +142,8 @@ class LogprobBackendCapability:
         """Plain sorted values, for provenance records and docs."""
         return {
             "implementation_kind": self.implementation_kind.value,
+            "platforms": sorted(self.platforms),
+            "tp_modes": sorted(self.tp_modes),
             "dtypes": sorted(self.dtypes),
             "tp_sizes": None if self.tp_sizes is None else sorted(self.tp_sizes),
             "mask_modes": sorted(m.value for m in self.mask_modes),
@@ -124,6 +155,14 @@ class LogprobBackendCapability:
             "supports_vocab_padding": self.supports_vocab_padding,
             "exports_lse": self.exports_lse,
         }
+
+
+def _platform(field_name: str, value: Any) -> str:
+    return parse_name(field_name, value, PLATFORMS)
+
+
+def _tp_mode(field_name: str, value: Any) -> str:
+    return parse_name(field_name, value, TP_MODES)
 
 
 def _dtype_name(field_name: str, value: Any) -> str:

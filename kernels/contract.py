@@ -10,17 +10,18 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any, TypeVar
 
 import torch
 
 from kernels.errors import KernelInputError
-from kernels.provenance import dtype_name
 from kernels.sharding import ShardingSpec
-from kernels.validation import EXECUTION_DTYPES, IGNORE_INDEX
+from kernels.validation import EXECUTION_DTYPES, IGNORE_INDEX, dtype_name
 
 PLATFORMS = ("cpu", "cuda")
+# How the ranks of a tp > 1 call run: one after another in the caller, or as torch.distributed processes.
+TP_MODES = ("emulated", "distributed")
 EXECUTION_DTYPE_NAMES = tuple(dtype_name(d) for d in EXECUTION_DTYPES)
 FLOAT_RESULT_DTYPE_NAMES = tuple(dtype_name(d) for d in (torch.float32, torch.float64))
 TRANSPORTS = ("all_gather",)
@@ -30,14 +31,14 @@ class LogprobContractError(KernelInputError):
     """A contract field with a value no call can honour; the message names the field and the value."""
 
 
-class MaskMode(str, Enum):
+class MaskMode(StrEnum):
     """How a call marks the rows that take no part in the loss."""
 
     IGNORE_INDEX = "ignore_index"  # inactive rows hold the sentinel target id
     ACTIVE_MASK = "active_mask"  # a separate boolean mask; inactive targets may hold any value
 
 
-class DeterminismScope(str, Enum):
+class DeterminismScope(StrEnum):
     """Which bitwise promise the reduction keeps.
 
     FIXED_TOPOLOGY: the same inputs, call layout and TP degree give the same bits, run after run.
@@ -48,7 +49,7 @@ class DeterminismScope(str, Enum):
     CROSS_TP_BITWISE = "cross_tp_bitwise"
 
 
-class MergeOrder(str, Enum):
+class MergeOrder(StrEnum):
     """The structure of the partials the TP merge combines."""
 
     GLOBAL_TILE = "global_tile"  # one partial per vocab_tile, merged left to right over the whole vocab

@@ -23,6 +23,8 @@ from kernels.backend import (
     segment_partials,
     stock_matmul,
 )
+from kernels.capability import ImplementationKind, LogprobBackendCapability
+from kernels.contract import EXECUTION_DTYPE_NAMES, DeterminismScope, MergeOrder
 from kernels.provenance import NodeProvenance, observe
 from kernels.sharding import ShardingSpec
 
@@ -44,6 +46,14 @@ def keep_mantissa_bits(x: torch.Tensor, bits: int) -> torch.Tensor:
 @register_backend(
     "control",
     kernels={"matmul": STOCK_MATMUL_OPS, "logprob": SEGMENT_PARTIALS_OPS, "tp_merge": MEGATRON_MERGE_OPS},
+    # Its split count is a function of the row count only, so a repeated call repeats its bits
+    # (fixed_topology holds); it changes with the call layout and tp, which is the point of it.
+    capability=LogprobBackendCapability(
+        implementation_kind=ImplementationKind.NEGATIVE_CONTROL,
+        dtypes=frozenset(EXECUTION_DTYPE_NAMES),
+        determinism_scopes=frozenset({DeterminismScope.FIXED_TOPOLOGY}),
+        merge_orders=frozenset({MergeOrder.RANK_SHARD}),
+    ),
 )
 class ControlBackend:
     id: str

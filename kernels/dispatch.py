@@ -1,33 +1,28 @@
-"""Capability-gated dispatch: a contract and a requested backend -> a bound op, or a typed refusal.
+"""Capability-gated dispatch: a contract, a requested backend and a tp mode -> a bound op, or a typed refusal.
 
-Backends declare capabilities per platform with ``register_logprob_backend``. ``get_logprob_op``
-never falls back: it returns the op of the named backend, or (``"auto"``) of the first compatible
-production backend in registration order, or raises ``LogprobDispatchError`` listing every
-candidate and why it was rejected. The op checks at run time that what ran is what it was bound to.
+Backends declare their capability where they are registered (``kernels.backend.register_backend``);
+dispatch reads it from that registry only. ``get_logprob_op`` never falls back: it returns the op of
+the named backend, or (``"auto"``) of the first compatible production backend in registration order,
+or raises ``LogprobDispatchError`` listing every candidate and why it was rejected. The op checks at
+run time that what ran is what it was bound to (docs/dispatch.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 import torch
 
-from kernels.backend import BACKENDS, OP_NODES
-from kernels.capability import ImplementationKind, LogprobBackendCapability
-from kernels.contract import PLATFORMS, LogprobContract, LogprobContractError
+from kernels.backend import OP_NODES, registered_backends
+from kernels.capability import DispatchPolicy, ImplementationKind, LogprobBackendCapability
+from kernels.contract import TP_MODES, LogprobContract, LogprobContractError
 from kernels.errors import DtypeMismatchError, KernelInputError, ShapeMismatchError
-from kernels.lm_head import LogprobResult, lm_head_logprob
-from kernels.provenance import ProvenanceMismatchError, dtype_name, provenance_mismatches
+from kernels.lm_head import sharded_lm_head_logprob
+from kernels.provenance import ProvenanceMismatchError, provenance_mismatches
+from kernels.ranks import LogprobResult
 from kernels.sharding import ShardingSpec
-
-
-class DispatchPolicy(str, Enum):
-    """How the backend was chosen; ``requested_backend="auto"`` is AUTO, a backend id is EXPLICIT."""
-
-    EXPLICIT = "explicit"
-    AUTO = "auto"
+from kernels.validation import dtype_name
 
 
 class LogprobDispatchError(RuntimeError):
@@ -47,57 +42,15 @@ class RankAgreement:
     backend_id: str
 
 
-# platform -> backend id -> capability, in registration order (the order ``auto`` tries them in).
-_CAPABILITIES: dict[str, dict[str, LogprobBackendCapability]] = {platform: {} for platform in PLATFORMS}
-
-
-def register_logprob_backend(
-    platform: str, backend_id: str, capability: LogprobBackendCapability, *, replace: bool = False
-) -> None:
-    """Declare what ``backend_id`` honours on ``platform``; other platforms are untouched."""
-    registry = _platform_registry(platform)
-    if not isinstance(backend_id, str) or not backend_id or backend_id != backend_id.strip():
-        raise LogprobContractError(
-            f"backend_id must be a non-empty string without surrounding spaces; got {backend_id!r}"
-        )
-    if backend_id in {policy.value for policy in DispatchPolicy}:
-        raise LogprobContractError(f"backend_id {backend_id!r} is a dispatch policy name and cannot name a backend")
-    if not isinstance(capability, LogprobBackendCapability):
-        raise LogprobContractError(f"capability must be a LogprobBackendCapability; got {capability!r}")
-    if backend_id in registry and not replace:
-        raise LogprobContractError(
-            f"backend {backend_id!r} is already registered on {platform!r}; pass replace=True to redeclare it"
-        )
-    registry[backend_id] = capability
-
-
-def unregister_logprob_backend(platform: str, backend_id: str) -> LogprobBackendCapability:
-    """Remove ``backend_id`` from ``platform`` and return the capability it had."""
-    registry = _platform_registry(platform)
-    if backend_id not in registry:
-        raise LogprobContractError(f"backend {backend_id!r} is not registered on {platform!r}")
-    return registry.pop(backend_id)
-
-
-def registered_logprob_backends(platform: str) -> dict[str, LogprobBackendCapability]:
-    """A copy of ``platform``'s declarations, in registration order."""
-    return dict(_platform_registry(platform))
-
-
-def _platform_registry(platform: str) -> dict[str, LogprobBackendCapability]:
-    if platform not in _CAPABILITIES:
-        raise LogprobContractError(f"platform must be one of {', '.join(PLATFORMS)}; got {platform!r}")
-    return _CAPABILITIES[platform]
-
-
 @dataclass(frozen=True)
 class LogprobOp:
-    """hidden[T, H], weight[V, H], targets[T] -> LogprobResult, run by one backend bound to one contract."""
+    """hidden[T, H], weight[V, H], targets[T] -> LogprobResult, run by one backend bound to one contract and tp mode."""
 
     contract: LogprobContract
     backend_id: str
     capability: LogprobBackendCapability
     policy: DispatchPolicy
+    tp_mode: str
 
     @property
     def tp(self) -> int:
@@ -112,13 +65,11 @@ class LogprobOp:
         """Every op node must run on the bound backend."""
         return dict.fromkeys(OP_NODES, self.backend_id)
 
-    def __call__(
-        self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, tp_mode: str = "emulated"
-    ) -> LogprobResult:
-        """Run the bound backend; raise ProvenanceMismatchError if anything else ran."""
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> LogprobResult:
+        """Run the bound backend in the bound tp mode; raise ProvenanceMismatchError if anything else ran."""
         self._check_inputs(hidden, weight)
-        result = lm_head_logprob(
-            hidden, weight, targets, backend=self.backend_id, tp=self.tp, tp_mode=tp_mode, vocab_tile=self.vocab_tile
+        result = sharded_lm_head_logprob(
+            hidden, weight, targets, backend=self.backend_id, sharding=self.contract.sharding, tp_mode=self.tp_mode
         )
         self.require_observed(result)
         return result
@@ -129,6 +80,8 @@ class LogprobOp:
         problems = provenance_mismatches(self.required_nodes, observed)
         if observed.tp != self.tp:
             problems.append(f"tp: required {self.tp}, observed {observed.tp}")
+        if observed.tp_mode != self.tp_mode:
+            problems.append(f"tp_mode: required {self.tp_mode!r}, observed {observed.tp_mode!r}")
         for name in ("logp", "lse"):
             ran = dtype_name(getattr(result, name).dtype)
             if ran != self.contract.output.dtype:
@@ -152,6 +105,7 @@ class LogprobOp:
         return {
             "backend_id": self.backend_id,
             "policy": self.policy.value,
+            "tp_mode": self.tp_mode,
             "capability": self.capability.to_dict(),
             "contract_fingerprint": self.contract.cross_rank_fingerprint(),
             "contract": self.contract.to_dict(),
@@ -171,72 +125,82 @@ class LogprobOp:
 
 
 def get_logprob_op(
-    contract: LogprobContract, requested_backend: str, *, agreement: RankAgreement | None = None
+    contract: LogprobContract,
+    requested_backend: str,
+    *,
+    tp_mode: str = "emulated",
+    agreement: RankAgreement | None = None,
 ) -> LogprobOp:
-    """The op of ``requested_backend`` (a backend id or ``"auto"``) bound to ``contract``."""
+    """The op of ``requested_backend`` (a backend id or ``"auto"``) bound to ``contract`` and ``tp_mode``."""
+    _check_tp_mode(tp_mode)
     policy = DispatchPolicy.AUTO if requested_backend == DispatchPolicy.AUTO.value else DispatchPolicy.EXPLICIT
     tp = contract.sharding.world_size
     if policy is DispatchPolicy.AUTO and tp > 1 and agreement is None:
         # Each rank resolves "auto" against its own registry and machine; unchecked, ranks may diverge.
         raise LogprobDispatchError(
             f"requested_backend='auto' is refused for tp={tp} without a RankAgreement: all-gather "
-            "(contract.cross_rank_fingerprint(), resolve_logprob_backend(contract, 'auto')) across ranks, "
+            "(contract.cross_rank_fingerprint(), resolve_logprob_backend(contract, 'auto', tp_mode=...)) across ranks, "
             "check they are equal, and pass agreement=RankAgreement(fingerprint, backend_id); or name the backend",
             {},
         )
-    backend_id, capability = _resolve(contract, requested_backend, policy)
+    backend_id, capability = _resolve(contract, requested_backend, policy, tp_mode)
     if agreement is not None:
         _check_agreement(contract, backend_id, agreement)
-    return LogprobOp(contract, backend_id, capability, policy)
+    return LogprobOp(contract, backend_id, capability, policy, tp_mode)
 
 
-def resolve_logprob_backend(contract: LogprobContract, requested_backend: str) -> str:
+def resolve_logprob_backend(contract: LogprobContract, requested_backend: str, *, tp_mode: str = "emulated") -> str:
     """The backend id ``get_logprob_op`` would bind on this rank, for the cross-rank preflight."""
+    _check_tp_mode(tp_mode)
     policy = DispatchPolicy.AUTO if requested_backend == DispatchPolicy.AUTO.value else DispatchPolicy.EXPLICIT
-    return _resolve(contract, requested_backend, policy)[0]
+    return _resolve(contract, requested_backend, policy, tp_mode)[0]
+
+
+def _check_tp_mode(tp_mode: str) -> None:
+    if tp_mode not in TP_MODES:
+        raise LogprobContractError(f"tp_mode must be one of {', '.join(TP_MODES)}; got {tp_mode!r}")
 
 
 def _resolve(
-    contract: LogprobContract, requested_backend: str, policy: DispatchPolicy
+    contract: LogprobContract, requested_backend: str, policy: DispatchPolicy, tp_mode: str
 ) -> tuple[str, LogprobBackendCapability]:
-    here = _CAPABILITIES[contract.platform]
-    if policy is DispatchPolicy.AUTO:
-        candidates = list(dict.fromkeys([*here, *(b for p in PLATFORMS for b in _CAPABILITIES[p])]))
-    else:
-        candidates = [requested_backend]
-    rejections = {backend: _rejections(contract, backend, policy) for backend in candidates}
+    registered = registered_backends()  # every platform's, in registration order
+    candidates = list(registered) if policy is DispatchPolicy.AUTO else [requested_backend]
+    rejections = {backend: _rejections(contract, registered, backend, policy, tp_mode) for backend in candidates}
     for backend in candidates:
         if not rejections[backend]:
-            return backend, here[backend]
+            return backend, registered[backend]
     summary = (
         f"no logprob backend for requested_backend={requested_backend!r} under contract "
-        f"{contract.cross_rank_fingerprint()[:12]} (tp={contract.sharding.world_size}, dtype={contract.dtype}, "
-        f"platform={contract.platform}, determinism_scope={contract.reduction.determinism_scope.value}, "
+        f"{contract.cross_rank_fingerprint()[:12]} (tp={contract.sharding.world_size}, tp_mode={tp_mode}, "
+        f"dtype={contract.dtype}, platform={contract.platform}, "
+        f"determinism_scope={contract.reduction.determinism_scope.value}, "
         f"merge_order={contract.reduction.merge_order.value}, mask={contract.mask.mode.value}); "
         f"candidates and why each was rejected:"
     )
     raise LogprobDispatchError(summary, rejections)
 
 
-def _rejections(contract: LogprobContract, backend: str, policy: DispatchPolicy) -> list[str]:
-    platform = contract.platform
-    capability = _CAPABILITIES[platform].get(backend)
+def _rejections(
+    contract: LogprobContract,
+    registered: dict[str, LogprobBackendCapability],
+    backend: str,
+    policy: DispatchPolicy,
+    tp_mode: str,
+) -> list[str]:
+    capability = registered.get(backend)
     if capability is None:
-        elsewhere = [p for p in PLATFORMS if backend in _CAPABILITIES[p]]
-        where = f"registered on: {', '.join(elsewhere)}" if elsewhere else "registered on no platform"
-        return [f"not registered on platform {platform!r} ({where})"]
+        return [f"not registered (registered backends: {', '.join(registered) or 'none'})"]
     reasons = []
-    if platform == "cuda" and not torch.cuda.is_available():
+    if contract.platform == "cuda" and not torch.cuda.is_available():
         reasons.append("platform 'cuda' is unavailable on this machine (torch.cuda.is_available() is False)")
-    if backend not in BACKENDS:
-        reasons.append(f"no implementation named {backend!r} in kernels.BACKENDS")
     sharding = contract.sharding
     even = ShardingSpec.even(sharding.vocab_size, sharding.vocab_tile, sharding.world_size, sharding.rank)
     if sharding != even:
         reasons.append(f"sharding bounds {sharding.bounds} are not the even split lm_head_logprob runs {even.bounds}")
     if policy is DispatchPolicy.AUTO and capability.implementation_kind is not ImplementationKind.PRODUCTION:
         reasons.append(f"implementation kind {capability.implementation_kind.value!r} is only run when named")
-    return reasons + capability.incompatibilities(contract)
+    return reasons + capability.incompatibilities(contract, tp_mode=tp_mode)
 
 
 def _check_agreement(contract: LogprobContract, backend_id: str, agreement: RankAgreement) -> None:

@@ -1,11 +1,12 @@
 """tp_mode="distributed": real ranks with torch.distributed (gloo on CPU, NCCL with one GPU per rank).
 
-A ``RankGroup`` spawns ``tp`` rank processes once and keeps them for many calls: the weight travels
-to the ranks once, each call sends only hidden states and targets. Each rank runs the same per-rank
-code as the emulated mode (``rank_forward``), all-gathers the per-tile partials and target logits,
-merges them with the same ``finish`` and checks that every rank holds the same bits; rank 0 sends the
-replicated result back. ``lm_head_logprob(..., tp_mode="distributed")`` uses the group opened with
-``distributed_ranks(...)`` when one matches the call, else a group for that call alone.
+A ``RankGroup`` spawns one rank process per shard of a ``ShardingSpec`` once and keeps them for many
+calls: the weight travels to the ranks once, each call sends only hidden states and targets. Each rank
+runs the same per-rank code as the emulated mode (``kernels.ranks.rank_forward``) on its own view of the
+spec (``sharding.for_rank(rank)``), all-gathers the per-tile partials and target logits, merges them with
+the same ``finish`` and checks that every rank holds the same bits; rank 0 sends the replicated result
+back. ``lm_head_logprob(..., tp_mode="distributed")`` uses the group opened with ``distributed_ranks(...)``
+when one matches the call, else a group for that call alone (docs/kernels.md#vocab-parallel-tp).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import torch.multiprocessing as mp
 
 from kernels.backend import ShardPartials, get_backend
 from kernels.bitwise import bit_view
-from kernels.errors import TPConfigError
-from kernels.lm_head import LogprobResult, RankOutput, finish, rank_forward
+from kernels.errors import ShapeMismatchError, TPConfigError
+from kernels.ranks import LogprobResult, RankOutput, finish, rank_forward
 from kernels.sharding import ShardingSpec
 
 POLL_SECONDS = 1.0  # how often the caller checks that every rank process is still alive
@@ -34,22 +35,28 @@ STOP = "stop"
 
 
 class RankGroup:
-    """``tp`` live rank processes for one backend, vocab tile and device type."""
+    """``sharding.world_size`` live rank processes for one backend, vocab split and device type."""
 
-    def __init__(self, backend: str, tp: int, vocab_tile: int, device_type: str):
+    def __init__(self, backend: str, sharding: ShardingSpec, device_type: str):
+        if not isinstance(sharding, ShardingSpec):
+            raise TPConfigError(
+                f"sharding must be a ShardingSpec (e.g. ShardingSpec.even(vocab, vocab_tile, tp)), got {sharding!r}"
+            )
+        tp = sharding.world_size
         if device_type == "cuda" and torch.cuda.device_count() < tp:
             raise TPConfigError(
                 f"tp_mode=distributed with tp={tp} needs {tp} GPUs (one per rank); "
                 f"this machine has {torch.cuda.device_count()}"
             )
         get_backend(backend)  # an unknown id fails here, before any process starts
-        self.key = (backend, tp, vocab_tile, device_type)
+        self.sharding = sharding.for_rank(0)  # every rank derives its own view from the same split
+        self.key = (backend, self.sharding, device_type)
         self.weight_key: tuple | None = None
         self._workdir = tempfile.TemporaryDirectory(prefix="rlsweep-tp-")
         context = mp.get_context("spawn")
         self._requests = [context.Queue() for _ in range(tp)]
         self._replies = context.Queue()
-        args = (tp, backend, vocab_tile, device_type, self._workdir.name)
+        args = (self.sharding, backend, device_type, self._workdir.name)
         self._ranks = [
             context.Process(target=rank_loop, args=(rank, *args, self._requests[rank], self._replies), daemon=True)
             for rank in range(tp)
@@ -59,6 +66,11 @@ class RankGroup:
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> LogprobResult:
         """One distributed call; the weight is sent only when it is not the one the ranks hold."""
+        if weight.dim() != 2 or weight.shape[0] != self.sharding.vocab_size:
+            raise ShapeMismatchError(
+                f"weight must be [V, H] with V={self.sharding.vocab_size} (the group's vocab split), "
+                f"got shape {tuple(weight.shape)}"
+            )
         # Same storage, shape and in-place version counter: the ranks already hold this weight.
         weight_key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, str(weight.device), weight._version)
         # Copies: the queue moves a CPU tensor's storage into shared memory, which must not be the caller's.
@@ -92,7 +104,7 @@ class RankGroup:
             if status == "error":
                 self.close()
                 raise RuntimeError(
-                    f"distributed rank {rank} failed (backend={self.key[0]}, tp={self.key[1]}):\n{payload}"
+                    f"distributed rank {rank} failed (backend={self.key[0]}, tp={self.sharding.world_size}):\n{payload}"
                 )
             pending.discard(rank)
             result = payload if rank == 0 else result
@@ -113,9 +125,9 @@ ACTIVE_GROUP: ContextVar[RankGroup | None] = ContextVar("ACTIVE_GROUP", default=
 
 
 @contextlib.contextmanager
-def distributed_ranks(backend: str, tp: int, vocab_tile: int, device_type: str) -> Iterator[RankGroup]:
-    """Keep ``tp`` ranks alive for every distributed call with these settings inside the block."""
-    group = RankGroup(backend, tp, vocab_tile, device_type)
+def distributed_ranks(backend: str, sharding: ShardingSpec, device_type: str) -> Iterator[RankGroup]:
+    """Keep one rank per shard of ``sharding`` alive for every distributed call with these settings in the block."""
+    group = RankGroup(backend, sharding, device_type)
     token = ACTIVE_GROUP.set(group)
     try:
         yield group
@@ -128,18 +140,16 @@ def run_distributed(
     backend: str, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, sharding: ShardingSpec
 ) -> LogprobResult:
     """The open group's ranks when it matches this call, else ranks spawned for this call alone."""
-    key = (backend, sharding.world_size, sharding.vocab_tile, hidden.device.type)
     group = ACTIVE_GROUP.get()
-    if group is not None and group.key == key:
+    if group is not None and group.key == (backend, sharding.for_rank(0), hidden.device.type):
         return group(hidden, weight, targets)
-    with distributed_ranks(*key) as one_shot:
+    with distributed_ranks(backend, sharding, hidden.device.type) as one_shot:
         return one_shot(hidden, weight, targets)
 
 
-def rank_loop(
-    rank: int, world: int, backend: str, vocab_tile: int, device_type: str, workdir: str, requests, replies
-) -> None:
+def rank_loop(rank: int, split: ShardingSpec, backend: str, device_type: str, workdir: str, requests, replies) -> None:
     """A rank process: join the group, then serve calls until told to stop."""
+    sharding = split.for_rank(rank)
     on_cuda = device_type == "cuda"
     if on_cuda:
         torch.cuda.set_device(rank)
@@ -147,7 +157,7 @@ def rank_loop(
         backend="nccl" if on_cuda else "gloo",
         init_method=Path(workdir, "rendezvous").as_uri(),
         rank=rank,
-        world_size=world,
+        world_size=sharding.world_size,
     )
     device = torch.device("cuda", rank) if on_cuda else torch.device("cpu")
     impl, weight = get_backend(backend), None
@@ -158,7 +168,6 @@ def rank_loop(
                 if new_weight is not None:
                     weight = new_weight.to(device)
                 hidden, targets = hidden.to(device), targets.to(device)
-                sharding = ShardingSpec.even(weight.shape[0], vocab_tile, world, rank)
                 mine = rank_forward(impl, hidden, weight, targets, sharding)
                 ranks = [mine] if mine.partials is None else all_gather_partials(mine)
                 result = finish(impl, targets, sharding, ranks, tp_mode="distributed")

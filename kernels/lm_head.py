@@ -1,51 +1,30 @@
-"""The composed op: lm_head matmul, per-shard partials and the TP merge, for any backend and TP degree."""
+"""The composed op: lm_head matmul, per-shard partials and the TP merge, for any backend and TP degree.
+
+``lm_head_logprob`` is the public edge: it turns ``tp`` and ``vocab_tile`` into a ``ShardingSpec`` once and
+hands it to ``sharded_lm_head_logprob``, which the dispatched op (``kernels.dispatch.LogprobOp``) calls with
+its contract's spec. The per-rank work and the merge are in ``kernels.ranks``; real rank processes in
+``kernels.distributed`` (docs/kernels.md#vocab-parallel-tp).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from kernels.backend import LogprobBackend, ShardPartials, get_backend
-from kernels.errors import KernelInputError, NonFiniteOutputError, TPConfigError
-from kernels.provenance import NodeProvenance, Provenance, across_ranks, call_node, dtype_name
+from kernels.backend import get_backend
+from kernels.contract import TP_MODES
+from kernels.distributed import run_distributed
+from kernels.errors import KernelInputError, ShapeMismatchError
+from kernels.provenance import NodeProvenance, call_node
+from kernels.ranks import LogprobResult, check_vocab_tile, finish, rank_forward, rank_logprob, require_finite
 from kernels.sharding import ShardingSpec
 from kernels.validation import (
-    IGNORE_INDEX,
     check_lm_head_inputs,
     check_logits_inputs,
     check_matmul_inputs,
     check_target_range,
 )
 
-TP_MODES = ("emulated", "distributed")
 DEFAULT_VOCAB_TILE = 1024
-
-
-@dataclass(frozen=True)
-class LogprobResult:
-    """Per-row outputs of one call, replicated on every rank.
-
-    ``logp``/``lse`` are [T] fp32 (float64 for the reference backend); ``logp`` is 0 where the row
-    is inactive (target == ignore_index). ``owner_rank`` [T] is the rank whose shard holds the
-    target, -1 for inactive rows.
-    """
-
-    logp: torch.Tensor
-    lse: torch.Tensor
-    active: torch.Tensor
-    owner_rank: torch.Tensor
-    provenance: Provenance
-
-
-@dataclass(frozen=True)
-class RankOutput:
-    """What one rank computes before any communication."""
-
-    logits: torch.Tensor
-    partials: ShardPartials | None  # None: the backend reduces the full vocab itself (TP=1, full_vocab_logprob/_lse)
-    matmul: NodeProvenance | None
-    logprob: NodeProvenance | None
 
 
 def matmul(hidden: torch.Tensor, weight: torch.Tensor, *, backend: str) -> tuple[torch.Tensor, NodeProvenance]:
@@ -80,104 +59,37 @@ def lm_head_logprob(
     vocab_tile: int = DEFAULT_VOCAB_TILE,
 ) -> LogprobResult:
     """hidden[T, H], weight[V, H], targets[T] -> logp and lse of each row's target, vocab split over ``tp`` ranks."""
+    if weight.dim() != 2:
+        raise ShapeMismatchError(f"weight must be [V, H], got shape {tuple(weight.shape)}")
+    sharding = ShardingSpec.even(weight.shape[0], vocab_tile, tp)  # raises TPConfigError for tp or tile
+    return sharded_lm_head_logprob(hidden, weight, targets, backend=backend, sharding=sharding, tp_mode=tp_mode)
+
+
+def sharded_lm_head_logprob(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    backend: str,
+    sharding: ShardingSpec,
+    tp_mode: str,
+) -> LogprobResult:
+    """``lm_head_logprob`` with the vocab split given as a ``ShardingSpec`` of weight's vocab (any rank's view)."""
     impl = get_backend(backend)
     if tp_mode not in TP_MODES:
         raise KernelInputError(f"tp_mode must be one of {TP_MODES}, got {tp_mode!r}")
+    if not isinstance(sharding, ShardingSpec):
+        raise KernelInputError(f"sharding must be a ShardingSpec, got {sharding!r}")
     check_lm_head_inputs(hidden, weight, targets)
-    sharding = ShardingSpec.even(weight.shape[0], vocab_tile, tp)  # raises TPConfigError for tp or tile
-    check_vocab_tile(impl, vocab_tile, hidden.device)
-    check_target_range(targets, weight.shape[0])
+    if weight.shape[0] != sharding.vocab_size:
+        raise ShapeMismatchError(
+            f"weight has {weight.shape[0]} vocab rows but the sharding splits a vocab of {sharding.vocab_size}"
+        )
+    check_vocab_tile(impl, sharding.vocab_tile, hidden.device)
+    check_target_range(targets, sharding.vocab_size)
     if tp_mode == "distributed":
-        from kernels.distributed import run_distributed
-
         result = run_distributed(backend, hidden, weight, targets, sharding)
     else:
-        ranks = [rank_forward(impl, hidden, weight, targets, sharding.for_rank(r)) for r in range(tp)]
+        ranks = [rank_forward(impl, hidden, weight, targets, sharding.for_rank(r)) for r in range(sharding.world_size)]
         result = finish(impl, targets, sharding, ranks, tp_mode="emulated")
     return require_finite(result, hidden.dtype)  # in the caller's process: typed in both tp modes
-
-
-def check_vocab_tile(impl: LogprobBackend, vocab_tile: int, device: torch.device) -> None:
-    """TPConfigError, before any launch, for a tile wider than the backend's kernels can hold on ``device``."""
-    limit = impl.max_vocab_tile(device) if hasattr(impl, "max_vocab_tile") else None
-    if limit is not None and vocab_tile > limit:
-        raise TPConfigError(
-            f"vocab_tile={vocab_tile} is wider than backend {impl.id!r} can reduce on {device.type}: its kernels "
-            f"hold at most {limit} vocab columns per program there; use a power of two in [16, {limit}]"
-        )
-
-
-def require_finite(result: LogprobResult, execution_dtype: torch.dtype) -> LogprobResult:
-    """``result`` unless a row's lse or logp is NaN or ±Inf, which finite inputs give only by overflow.
-
-    Every input was checked finite at the boundary, so any non-finite output is an overflow; [T] is cheap to scan.
-    """
-    bad = ~torch.isfinite(result.lse) | ~torch.isfinite(result.logp)
-    if bool(bad.any()):
-        row = int(bad.nonzero()[0, 0])
-        name = "lse" if not bool(torch.isfinite(result.lse[row])) else "logp"
-        raise NonFiniteOutputError(
-            f"row {row}: {name} is {getattr(result, name)[row].item()} although every input is finite: the row's "
-            f"logits, or logp = logit - lse, overflowed the execution dtype {dtype_name(execution_dtype)} "
-            f"(largest finite {torch.finfo(execution_dtype).max:.4g}); scale hidden or weight down",
-            row=row,
-        )
-    return result
-
-
-def rank_forward(
-    impl: LogprobBackend, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, sharding: ShardingSpec
-) -> RankOutput:
-    """One rank's work: its shard's logits, then its partials."""
-    lo, hi = sharding.real_shard
-    logits, matmul_prov = call_node(impl.matmul, hidden, weight[lo:hi])
-    return rank_logprob(impl, logits, targets, sharding, matmul_provenance=matmul_prov)
-
-
-def rank_logprob(
-    impl: LogprobBackend,
-    shard_logits: torch.Tensor,
-    targets: torch.Tensor,
-    sharding: ShardingSpec,
-    *,
-    matmul_provenance: NodeProvenance | None,
-) -> RankOutput:
-    if sharding.world_size == 1 and hasattr(impl, "full_vocab_logprob"):
-        return RankOutput(shard_logits, None, matmul_provenance, None)
-    lo, hi = sharding.shard
-    owned = (targets >= lo) & (targets < hi)
-    local_targets = torch.where(owned, targets - lo, torch.zeros_like(targets))
-    partials, prov = call_node(impl.shard_partials, shard_logits, local_targets, owned, sharding)
-    return RankOutput(shard_logits, partials, matmul_provenance, prov)
-
-
-def finish(
-    impl: LogprobBackend,
-    targets: torch.Tensor,
-    sharding: ShardingSpec,
-    ranks: list[RankOutput],
-    *,
-    tp_mode: str,
-) -> LogprobResult:
-    """Merge every rank's partials (identical on each rank) into the replicated result."""
-    active = targets != IGNORE_INDEX
-    if ranks[0].partials is None:
-        logits = ranks[0].logits
-        logp, logprob_prov = call_node(impl.full_vocab_logprob, logits, torch.where(active, targets, 0))
-        lse, merge_prov = call_node(impl.full_vocab_lse, logits)
-        owner = torch.where(active, 0, -1)
-    else:
-        owner = torch.full_like(targets, -1, dtype=torch.int64)
-        target_logit = torch.zeros_like(ranks[0].partials.target_logit)
-        for rank, out in enumerate(ranks):
-            owner = torch.where(out.partials.owned, rank, owner)
-            target_logit = torch.where(out.partials.owned, out.partials.target_logit, target_logit)
-        lse, merge_prov = call_node(impl.merge, [out.partials for out in ranks])
-        logp = target_logit.to(lse.dtype) - lse
-        logprob_prov = across_ranks([out.logprob for out in ranks])
-    logp = torch.where(active, logp, torch.zeros_like(logp))
-    nodes = {"logprob": logprob_prov, "tp_merge": merge_prov}
-    if ranks[0].matmul is not None:
-        nodes = {"matmul": across_ranks([out.matmul for out in ranks]), **nodes}
-    provenance = Provenance(nodes=nodes, tp=sharding.world_size, tp_mode=tp_mode)
-    return LogprobResult(logp=logp, lse=lse, active=active, owner_rank=owner, provenance=provenance)

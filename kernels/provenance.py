@@ -10,6 +10,7 @@ import torch
 
 from kernels.backend import declared_kernels
 from kernels.launches import KernelLaunch, distinct_launches, recording_launches
+from kernels.validation import dtype_name
 
 
 @dataclass(frozen=True)
@@ -56,11 +57,6 @@ class Provenance:
             "tp_mode": self.tp_mode,
             "nodes": {name: node.to_dict() for name, node in self.nodes.items()},
         }
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``; the one dtype-name normalizer of the project."""
-    return str(dtype).removeprefix("torch.")
 
 
 def device_name(tensor: torch.Tensor) -> str:

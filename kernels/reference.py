@@ -15,14 +15,26 @@ from kernels.backend import (
     register_backend,
     segment_partials,
 )
+from kernels.capability import ImplementationKind, LogprobBackendCapability
+from kernels.contract import EXECUTION_DTYPE_NAMES, DeterminismScope, MergeOrder
 from kernels.launches import launch_torch
 from kernels.provenance import NodeProvenance, observe
 from kernels.sharding import ShardingSpec
+from kernels.validation import dtype_name
 
 
 @register_backend(
     "reference",
     kernels={"matmul": {"aten::mm"}, "logprob": SEGMENT_PARTIALS_OPS, "tp_merge": MEGATRON_MERGE_OPS},
+    # float64 partials and outputs: the gold, never a stand-in for an fp32 contract.
+    capability=LogprobBackendCapability(
+        implementation_kind=ImplementationKind.REFERENCE,
+        dtypes=frozenset(EXECUTION_DTYPE_NAMES),
+        determinism_scopes=frozenset({DeterminismScope.FIXED_TOPOLOGY}),
+        merge_orders=frozenset({MergeOrder.RANK_SHARD}),
+        partial_dtype=dtype_name(torch.float64),
+        output_dtype=dtype_name(torch.float64),
+    ),
 )
 class ReferenceBackend:
     id: str

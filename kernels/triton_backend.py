@@ -10,6 +10,8 @@ from types import ModuleType
 import torch
 
 from kernels.backend import ShardPartials, gather_target_logit, register_backend
+from kernels.capability import ImplementationKind, LogprobBackendCapability
+from kernels.contract import EXECUTION_DTYPE_NAMES, DeterminismScope, MergeOrder
 from kernels.errors import BackendUnavailableError
 from kernels.launches import launch_triton
 from kernels.provenance import NodeProvenance, observe
@@ -72,6 +74,14 @@ def _load_kernels(device: torch.device) -> tuple[ModuleType, bool]:
         "logprob": {f"{TRITON_KERNELS}.tile_partials_kernel"},
         "tp_merge": {f"{TRITON_KERNELS}.ordered_merge_kernel"},
     },
+    # Fixed global vocab tiles merged left to right: the same bits for every TP degree (checked bitwise for
+    # tp = 2, 4, 8 against tp = 1; docs/dispatch.md). On cpu it runs in Triton's interpreter.
+    capability=LogprobBackendCapability(
+        implementation_kind=ImplementationKind.PRODUCTION,
+        dtypes=frozenset(EXECUTION_DTYPE_NAMES),
+        determinism_scopes=frozenset(DeterminismScope),
+        merge_orders=frozenset({MergeOrder.GLOBAL_TILE}),
+    ),
 )
 class TritonBackend:
     id: str

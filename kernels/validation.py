@@ -15,6 +15,11 @@ EXECUTION_DTYPES = (torch.bfloat16, torch.float32)
 IGNORE_INDEX = -100
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``; the one dtype-name normalizer of the project."""
+    return str(dtype).removeprefix("torch.")
+
+
 def check_matmul_inputs(hidden: torch.Tensor, weight: torch.Tensor) -> None:
     """Shapes, dtypes, device and finiteness of hidden[T, H] and weight[V, H]."""
     if hidden.dim() != 2:

@@ -62,19 +62,14 @@ class LmHeadInputs:
 
 @pytest.fixture
 def isolated_registries():
-    """kernels.BACKENDS and every platform's capability declarations restored after the test, so none leaks."""
+    """kernels.BACKENDS (each backend with its kernel and capability declarations) restored after the test, in
+    its registration order, so no registration, replacement or removal leaks."""
     import kernels  # imported late: TRITON_INTERPRET above must be set first
 
-    implementations = dict(kernels.BACKENDS)
-    saved = {platform: kernels.registered_logprob_backends(platform) for platform in kernels.PLATFORMS}
+    saved = dict(kernels.BACKENDS)
     yield
     kernels.BACKENDS.clear()
-    kernels.BACKENDS.update(implementations)
-    for platform, declared in saved.items():
-        for backend in kernels.registered_logprob_backends(platform):
-            kernels.unregister_logprob_backend(platform, backend)
-        for backend, capability in declared.items():
-            kernels.register_logprob_backend(platform, backend, capability)
+    kernels.BACKENDS.update(saved)
 
 
 @pytest.fixture

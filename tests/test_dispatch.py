@@ -46,13 +46,18 @@ def inputs(rows: int = 5, hidden: int = 8, vocab: int = VOCAB, dtype: torch.dtyp
     )
 
 
+def register(backend_id: str, capability: kernels.LogprobBackendCapability, **kwargs) -> None:
+    """Register ``backend_id`` with ``capability``, its code and kernel declarations being aten's."""
+    aten = kernels.BACKENDS["aten"]
+    kernels.register_backend(backend_id, kernels=aten.declared_kernels, capability=capability, **kwargs)(type(aten))
+
+
 @pytest.fixture
-def fake(monkeypatch):
-    """Register backend id "fake" on cpu with a given capability, its code being aten's."""
-    monkeypatch.setitem(kernels.BACKENDS, "fake", kernels.BACKENDS["aten"])
+def fake():
+    """Register backend id "fake" (on every platform unless the capability says otherwise) with a given capability."""
 
     def declare(capability: kernels.LogprobBackendCapability) -> None:
-        kernels.register_logprob_backend("cpu", "fake", capability)
+        register("fake", capability)
 
     return declare
 
@@ -118,44 +123,44 @@ def test_a_backend_that_fits_is_bound_with_the_capability_it_was_chosen_under(fa
     op = kernels.get_logprob_op(contract(), "fake")
     assert (op.backend_id, op.policy, op.tp, op.vocab_tile) == ("fake", kernels.DispatchPolicy.EXPLICIT, 2, TILE)
     assert op.capability == permissive()
+    assert op.capability is kernels.BACKENDS["fake"].capability
     record = op.to_dict()
     assert record["contract_fingerprint"] == contract().cross_rank_fingerprint()
     assert (record["policy"], record["backend_id"]) == (kernels.DispatchPolicy.EXPLICIT.value, "fake")
+    assert record["capability"]["platforms"] == list(kernels.PLATFORMS)
+    assert record["capability"]["tp_modes"] == sorted(kernels.TP_MODES)
 
 
-def test_platform_rejection_names_where_the_backend_is_registered():
-    kernels.register_logprob_backend("cuda", "cuda_only", permissive())
-    with pytest.raises(
-        kernels.LogprobDispatchError, match=re.escape("not registered on platform 'cpu' (registered on: cuda)")
-    ):
+def test_a_backend_declared_for_one_platform_is_refused_on_another_and_a_candidate_on_its_own(monkeypatch):
+    register("cuda_only", permissive(platforms=frozenset({"cuda"})))
+    assert "cuda_only" in kernels.registered_backends("cuda")
+    assert "cuda_only" not in kernels.registered_backends("cpu")
+    with pytest.raises(kernels.LogprobDispatchError) as err:
         kernels.get_logprob_op(contract(), "cuda_only")
+    assert err.value.rejections == {"cuda_only": ["platform 'cpu' unsupported (declared for cuda)"]}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # dispatch only asks; nothing runs here
+    assert kernels.get_logprob_op(contract(platform="cuda"), "cuda_only").backend_id == "cuda_only"
     with pytest.raises(
         kernels.LogprobDispatchError,
-        match=re.escape("nonesuch: not registered on platform 'cpu' (registered on no platform)"),
+        match=re.escape("nonesuch: not registered (registered backends: triton, aten, reference, control, cuda_only)"),
     ):
         kernels.get_logprob_op(contract(), "nonesuch")
 
 
-def test_registration_on_one_platform_does_not_leak_into_another():
-    cpu_before = kernels.registered_logprob_backends("cpu")
-    kernels.register_logprob_backend("cuda", "cuda_only", permissive())
-    kernels.register_logprob_backend("cuda", "aten", permissive(tp_sizes={1}), replace=True)
-    assert kernels.registered_logprob_backends("cpu") == cpu_before
-    assert "cuda_only" in kernels.registered_logprob_backends("cuda")
-    assert kernels.registered_logprob_backends("cuda")["aten"].tp_sizes == {1}
-    assert kernels.get_logprob_op(contract(**FIXED), "aten").capability == cpu_before["aten"]
+def test_re_registering_an_id_is_refused_unless_replaced_in_place():
+    order = list(kernels.BACKENDS)
+    with pytest.raises(kernels.LogprobContractError, match=r"'aten' is already registered; pass replace=True"):
+        register("aten", permissive(tp_sizes={1}))
+    assert kernels.registered_backends()["aten"].tp_sizes is None
+    register("aten", permissive(tp_sizes={1}), replace=True)
+    assert kernels.registered_backends()["aten"].tp_sizes == {1}
+    assert list(kernels.BACKENDS) == order  # a replacement keeps its place in the order auto tries
 
 
 def test_a_cuda_contract_on_a_machine_without_cuda_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # what a CPU-only machine reports
     with pytest.raises(kernels.LogprobDispatchError, match=r"triton: platform 'cuda' is unavailable"):
         kernels.get_logprob_op(contract(platform="cuda"), "triton")
-
-
-def test_a_backend_without_an_implementation_is_refused():
-    kernels.register_logprob_backend("cpu", "unbuilt", permissive())
-    with pytest.raises(kernels.LogprobDispatchError, match=r"unbuilt: no implementation named 'unbuilt'"):
-        kernels.get_logprob_op(contract(), "unbuilt")
 
 
 def test_a_split_lm_head_logprob_does_not_run_is_refused(fake):
@@ -171,19 +176,36 @@ def test_a_split_lm_head_logprob_does_not_run_is_refused(fake):
     ("backend_id", "value"), [("auto", "'auto'"), ("explicit", "'explicit'"), (" aten", "' aten'"), ("", "''")]
 )
 def test_registration_refuses_ids_that_are_policies_or_blank(backend_id, value):
+    before = dict(kernels.BACKENDS)
     with pytest.raises(kernels.LogprobContractError, match=re.escape(value)):
-        kernels.register_logprob_backend("cpu", backend_id, permissive())
+        register(backend_id, permissive())
+    assert kernels.BACKENDS == before
 
 
-def test_registration_refuses_unknown_platform_duplicates_and_non_capabilities():
+def test_registration_refuses_unknown_platforms_and_tp_modes_and_non_capabilities():
+    with pytest.raises(
+        kernels.LogprobContractError, match=r"capability\.platforms must be one of cpu, cuda; got 'rocm'"
+    ):
+        permissive(platforms={"rocm"})
+    with pytest.raises(kernels.LogprobContractError, match=r"capability\.tp_modes must be .*; got 'threads'"):
+        permissive(tp_modes={"threads"})
+    with pytest.raises(kernels.LogprobContractError, match=r"capability\.platforms must name at least one"):
+        permissive(platforms=set())
     with pytest.raises(kernels.LogprobContractError, match="'rocm'"):
-        kernels.register_logprob_backend("rocm", "fake", permissive())
-    with pytest.raises(kernels.LogprobContractError, match="'aten' is already registered on 'cpu'"):
-        kernels.register_logprob_backend("cpu", "aten", permissive())
+        kernels.registered_backends("rocm")
     with pytest.raises(kernels.LogprobContractError, match=r"capability must be .*\{'dtypes'"):
-        kernels.register_logprob_backend("cpu", "fake", {"dtypes": ["float32"]})
-    with pytest.raises(kernels.LogprobContractError, match="'nonesuch' is not registered on 'cpu'"):
-        kernels.unregister_logprob_backend("cpu", "nonesuch")
+        register("fake", {"dtypes": ["float32"]})
+    assert "fake" not in kernels.BACKENDS
+    with pytest.raises(kernels.LogprobContractError, match="'nonesuch' is not registered"):
+        kernels.unregister_backend("nonesuch")
+
+
+def test_unregistering_returns_the_instance_and_removes_every_declaration():
+    aten = kernels.BACKENDS["aten"]
+    assert kernels.unregister_backend("aten") is aten
+    assert "aten" not in kernels.registered_backends() and "aten" not in kernels.BACKENDS
+    with pytest.raises(kernels.LogprobDispatchError, match=r"aten: not registered"):
+        kernels.get_logprob_op(contract(**FIXED), "aten")
 
 
 def test_builtin_capabilities_are_truthful():
@@ -207,7 +229,7 @@ def test_control_runs_when_named_and_never_under_auto():
     result = op(*inputs())
     assert result.provenance.nodes["logprob"].backend == "control"
     assert kernels.resolve_logprob_backend(contract(tp=1, **FIXED), "auto") == "aten"
-    kernels.unregister_logprob_backend("cpu", "aten")
+    kernels.unregister_backend("aten")
     with pytest.raises(
         kernels.LogprobDispatchError,
         match=f"control: implementation kind '{kernels.ImplementationKind.NEGATIVE_CONTROL.value}' is only run",
@@ -216,13 +238,34 @@ def test_control_runs_when_named_and_never_under_auto():
 
 
 def test_auto_failure_lists_every_candidate_with_its_reasons():
-    kernels.register_logprob_backend("cuda", "cuda_only", permissive())
+    register("cuda_only", permissive(platforms={"cuda"}))
     wanted = contract(tp=1, output=kernels.LogprobOutputSpec(dtype="float64"))
     with pytest.raises(kernels.LogprobDispatchError) as err:
         kernels.get_logprob_op(wanted, "auto")
-    assert list(err.value.rejections) == [*kernels.registered_logprob_backends("cpu"), "cuda_only"]
+    assert list(err.value.rejections) == [*kernels.registered_backends("cpu"), "cuda_only"]
+    assert list(err.value.rejections) == list(kernels.registered_backends())  # registration order
     assert all(err.value.rejections.values())
     assert "output dtype 'float64' unsupported" in "; ".join(err.value.rejections["triton"])
+    assert "platform 'cpu' unsupported (declared for cuda)" in err.value.rejections["cuda_only"]
+
+
+def test_a_backend_without_distributed_ranks_is_refused_for_tp_mode_distributed(fake):
+    fake(permissive(tp_modes={"emulated"}))
+    with pytest.raises(kernels.LogprobDispatchError, match=re.escape("tp_mode=distributed")) as err:
+        kernels.get_logprob_op(contract(), "fake", tp_mode="distributed")
+    assert err.value.rejections == {"fake": ["tp_mode 'distributed' unsupported (supports emulated)"]}
+    assert kernels.get_logprob_op(contract(), "fake").tp_mode == "emulated"
+    with pytest.raises(kernels.LogprobDispatchError, match=re.escape("'distributed' unsupported")):
+        kernels.resolve_logprob_backend(contract(), "fake", tp_mode="distributed")
+
+
+def test_the_op_is_bound_to_its_tp_mode_and_records_it():
+    for tp_mode in kernels.TP_MODES:
+        op = kernels.get_logprob_op(contract(**FIXED), "aten", tp_mode=tp_mode)
+        assert (op.tp_mode, op.to_dict()["tp_mode"]) == (tp_mode, tp_mode)
+    assert kernels.get_logprob_op(contract(**FIXED), "aten").to_dict()["tp_mode"] == "emulated"
+    with pytest.raises(kernels.LogprobContractError, match=r"tp_mode must be one of emulated, distributed; got 'x'"):
+        kernels.get_logprob_op(contract(**FIXED), "aten", tp_mode="x")
 
 
 def test_auto_is_refused_for_tp_above_one_without_a_rank_agreement():
@@ -275,6 +318,7 @@ def test_a_fake_triton_running_aten_code_is_caught_by_the_provenance_comparison(
 
     class AtenDressedAsTriton:
         id = "triton"
+        capability = kernels.BACKENDS["triton"].capability  # what dispatch reads: triton's claims
 
         def __getattr__(self, name):
             return getattr(aten, name)
@@ -302,12 +346,13 @@ def test_every_observed_difference_is_reported():
     forged = replace(
         result,
         logp=result.logp.double(),
-        provenance=replace(result.provenance, nodes=nodes, tp=1),
+        provenance=replace(result.provenance, nodes=nodes, tp=1, tp_mode="distributed"),
     )
     problems = op.observed_mismatches(forged)
     assert problems == [
         "node 'tp_merge': required backend 'aten', observed nothing (the node did not run)",
         "tp: required 2, observed 1",
+        "tp_mode: required 'emulated', observed 'distributed'",
         "logp dtype: required 'float32', observed 'float64'",
         "node 'matmul': required platform 'cpu', observed device 'cuda:0 (NVIDIA H200)'",
     ]

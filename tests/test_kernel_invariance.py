@@ -95,7 +95,7 @@ def test_one_rank_group_serves_many_calls_and_follows_a_new_weight(make_inputs):
     second = make_inputs(4, HIDDEN, VOCAB, torch.bfloat16, "cpu")
     calls = [(first.hidden, first.weight, first.targets), (first.hidden[:3], first.weight, first.targets[:3])]
     calls.append((second.hidden, second.weight, second.targets))  # a new weight must reach the ranks
-    with kernels.distributed_ranks("triton", tp=2, vocab_tile=TILE, device_type="cpu"):
+    with kernels.distributed_ranks("triton", kernels.ShardingSpec.even(VOCAB, TILE, 2), device_type="cpu"):
         served = [
             kernels.lm_head_logprob(h, w, t, backend="triton", tp=2, tp_mode="distributed", vocab_tile=TILE)
             for h, w, t in calls

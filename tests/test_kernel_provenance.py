@@ -18,6 +18,7 @@ from kernels.triton_backend import INTERPRETER_TILING, TritonBackend
 ROWS, HIDDEN, VOCAB, TILE = 3, 16, 40, 16
 BUILTIN = tuple(kernels.BACKENDS)  # read at import, before any test registers a toy backend
 TRITON_DECLARED = kernels.BACKENDS["triton"].declared_kernels
+TRITON_CAPABILITY = kernels.BACKENDS["triton"].capability
 needs_triton = pytest.mark.interpreter
 
 pytestmark = pytest.mark.usefixtures("isolated_registries")
@@ -95,12 +96,11 @@ def test_a_triton_launch_is_named_by_the_function_launched_and_keeps_its_configu
 
 @needs_triton
 def test_a_triton_backend_that_runs_torch_mm_is_reported_by_name(make_inputs):
-    kernels.register_backend("toy", kernels=TRITON_DECLARED)(TritonWithTorchMatmul)
+    kernels.register_backend("toy", kernels=TRITON_DECLARED, capability=TRITON_CAPABILITY)(TritonWithTorchMatmul)
     provenance = run(make_inputs, "toy", 2).provenance
     expected = torch_mm_in_triton_matmul("toy")
     assert kernels.provenance_mismatches(dict.fromkeys(kernels.OP_NODES, "toy"), provenance) == [expected]
-    # The dispatched op refuses the result the same way.
-    kernels.register_logprob_backend("cpu", "toy", kernels.registered_logprob_backends("cpu")["triton"])
+    # The dispatched op (toy declared triton's capability with its kernels) refuses the result the same way.
     op = kernels.get_logprob_op(
         kernels.LogprobContract.even(VOCAB, TILE, 2, dtype=torch.float32, platform="cpu"), "toy"
     )
@@ -111,7 +111,7 @@ def test_a_triton_backend_that_runs_torch_mm_is_reported_by_name(make_inputs):
 
 @needs_triton
 def test_a_node_whose_work_bypasses_the_launch_helpers_is_reported_as_launching_nothing(make_inputs):
-    kernels.register_backend("toy", kernels=TRITON_DECLARED)(TritonWithUnrecordedMatmul)
+    kernels.register_backend("toy", kernels=TRITON_DECLARED, capability=TRITON_CAPABILITY)(TritonWithUnrecordedMatmul)
     provenance = run(make_inputs, "toy", 1).provenance
     assert kernels.provenance_mismatches({}, provenance) == ["node 'matmul': backend 'toy' launched no kernel"]
 
@@ -119,7 +119,9 @@ def test_a_node_whose_work_bypasses_the_launch_helpers_is_reported_as_launching_
 @needs_triton
 def test_a_fallback_on_one_rank_only_is_reported(make_inputs):
     assert kernels.padded_vocab_size(VOCAB, TILE, 2) // 2 < VOCAB  # the last rank's real shard is not whole tiles
-    kernels.register_backend("toy", kernels=TRITON_DECLARED)(TritonFallingBackOnNarrowShards)
+    kernels.register_backend("toy", kernels=TRITON_DECLARED, capability=TRITON_CAPABILITY)(
+        TritonFallingBackOnNarrowShards
+    )
     matmul = run(make_inputs, "toy", 2).provenance.nodes["matmul"]
     assert matmul.kernels == (*TRITON_DECLARED["matmul"], "aten::mm")
     only_matmul = kernels.Provenance({"matmul": matmul}, 2, "emulated")
@@ -130,7 +132,7 @@ def test_a_declared_kernel_that_did_not_launch_is_no_mismatch(make_inputs):
     # Only launched-but-undeclared counts; a comparison run the other way round would report 'aten::addmm'.
     aten = kernels.BACKENDS["aten"]
     declared = {**aten.declared_kernels, "matmul": {"aten::mm", "aten::addmm"}}
-    kernels.register_backend("toy", kernels=declared)(type(aten))
+    kernels.register_backend("toy", kernels=declared, capability=aten.capability)(type(aten))
     provenance = run(make_inputs, "toy", 2).provenance
     assert provenance.nodes["matmul"].kernels == ("aten::mm",)
     assert kernels.provenance_mismatches(dict.fromkeys(kernels.OP_NODES, "toy"), provenance) == []
@@ -153,8 +155,9 @@ def test_a_backend_without_a_declaration_has_every_launch_reported(make_inputs):
     ],
 )
 def test_registration_refuses_an_incomplete_declaration(declared, message):
+    aten = kernels.BACKENDS["aten"]
     with pytest.raises(ValueError, match=re.escape(message)):
-        kernels.register_backend("toy", kernels=declared)(type(kernels.BACKENDS["aten"]))
+        kernels.register_backend("toy", kernels=declared, capability=aten.capability)(type(aten))
     assert "toy" not in kernels.BACKENDS
 
 

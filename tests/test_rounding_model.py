@@ -45,7 +45,8 @@ def ratio(result, reference, bound, tensor: str) -> float:
 
 
 def test_truncation_is_red_on_a_workload_large_enough_to_be_certain(make_inputs, isolated_registries):
-    kernels.register_backend("truncating", kernels=kernels.BACKENDS["aten"].declared_kernels)(TruncatingBackend)
+    aten = kernels.BACKENDS["aten"]
+    kernels.register_backend("truncating", kernels=aten.declared_kernels, capability=aten.capability)(TruncatingBackend)
     # Truncating the top logit by more than half an ulp pushes its lse past the bound; that happens to about
     # half the rows, so among 256 rows it is certain (a miss has probability ~2**-256).
     inp = make_inputs(256, 64, 8192, torch.bfloat16, "cpu")
