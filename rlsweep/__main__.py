@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from rlsweep.callbacks import SESSION, require_callback
 from rlsweep.check import gate_directory
-from rlsweep.config import register_configs
+from rlsweep.config import register_configs, run_spec, saved_config_sha256
 from rlsweep.errors import ConfigError, RlsweepError
 from rlsweep.exitcodes import ExitCode, guarded, one_line
 from rlsweep.job import run_job
@@ -40,7 +40,7 @@ def app(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.RUN:  # its error is this process's one line, not Hydra's "Error executing job"
         location = RunLocation.single(Path(cfg.tables_dir or hydra_cfg.runtime.output_dir))
-        SESSION.code = guarded(PROG, lambda: run_job(cfg, location, resume=False, standalone=True))
+        SESSION.code = guarded(PROG, lambda: run_at(cfg, location, resume=False, standalone=True))
         return
     try:
         require_callback()
@@ -49,10 +49,16 @@ def app(cfg: DictConfig) -> None:
         location = RunLocation.sweep_job(
             Path(hydra_cfg.runtime.output_dir), Path(hydra_cfg.sweep.dir), hydra_cfg.job.num
         )
-        run_job(cfg, location, resume=True, standalone=False)
+        run_at(cfg, location, resume=True, standalone=False)
     except Exception as err:
         overrides = " ".join(hydra_cfg.overrides.task)
         raise JobFailed(f"job #{hydra_cfg.job.num} ({overrides}) failed: {one_line(err)}") from err
+
+
+def run_at(cfg: DictConfig, location: RunLocation, *, resume: bool, standalone: bool) -> ExitCode:
+    """The run of a composed config at ``location``: its RunSpec is parsed here, at the top, and nowhere else."""
+    saved = saved_config_sha256(cfg)
+    return run_job(lambda: run_spec(cfg), location, resume=resume, standalone=standalone, saved_config_sha256=saved)
 
 
 def command() -> ExitCode:

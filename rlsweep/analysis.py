@@ -24,13 +24,12 @@ import pyarrow as pa
 import torch
 
 import kernels
-from rlsweep.contract import FORWARD_TENSORS
 from rlsweep.errors import SelectionError, TablesNotFoundError
 from rlsweep.gate import COMPARABLE_COLUMNS, SWEEP_CHECKS_TABLE, baseline_order, count_verdicts, discover
-from rlsweep.judgments import JUDGMENTS
-from rlsweep.layouts import CANONICAL_CELL
 from rlsweep.manifest import MANIFEST_FILE, verify_run
+from rlsweep.spec import CANONICAL_CELL
 from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, TOKENS_SCHEMA, TOKENS_TABLE, read_table
+from rlsweep.verdicts import FORWARD_TENSORS, Judgment
 
 RUN_DIR = "run_dir"  # added column: the directory the row's run tables were read from
 LEVEL = "level"  # added checks column: RUN_LEVEL (checks.parquet) or SWEEP_LEVEL (sweep_checks.parquet)
@@ -42,7 +41,7 @@ REFERENCE = "reference"  # rhs of dlogp meaning: the float64 reference logp of t
 SUMMARY_GROUPS = ("profile", "model", "tp", "judgment")
 RUN_GROUP = ("profile", *COMPARABLE_COLUMNS)  # runs whose tokens are comparable across tp (the gate's rule)
 DIFF_COLUMNS = (RUN_DIR, "profile", "model", "workload", "tp", "tp_mode", "cell", *KEY, "target_id")
-LEADING_CATEGORIES = {"judgment": JUDGMENTS, LEVEL: (RUN_LEVEL, SWEEP_LEVEL)}
+LEADING_CATEGORIES = {"judgment": tuple(Judgment), LEVEL: (RUN_LEVEL, SWEEP_LEVEL)}
 
 Selector = Mapping[str, Any]
 

@@ -1,4 +1,4 @@
-"""rlsweep's Hydra callback: output-dir check, the sweep lock, progress per job.
+"""rlsweep's Hydra callback: output-dir check, every job checked before the first runs, the sweep lock, progress.
 
 Hydra turns an ordinary exception raised in a callback into a warning and goes on, so nothing here may
 judge: the sweep gate runs after Hydra returns (``rlsweep.__main__``), and a callback that fails ends the
@@ -20,13 +20,15 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, open_dict
 
+from rlsweep.config import job_list, run_spec
 from rlsweep.errors import ConfigError
 from rlsweep.exitcodes import ExitCode, one_line
-from rlsweep.gate import job_list
+from rlsweep.gate import write_job_list
 from rlsweep.locks import acquire
 from rlsweep.manifest import MANIFEST_FILE, verify_run
 from rlsweep.run import preflight
 from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, read_table
+from rlsweep.verdicts import as_expected
 
 CALLBACK_TARGET = "rlsweep.callbacks.RlsweepCallback"
 
@@ -84,25 +86,27 @@ def red_so_far(sweep_dir: Path) -> tuple[int, int]:
         if state.complete:
             checks = read_table(state.files[CHECKS_TABLE], CHECKS_SCHEMA).to_pandas()
             complete += 1
-            red += int((checks["passed"] != checks["expected_pass"]).sum())
+            red += int((~as_expected(checks["passed"], checks["expected_pass"])).sum())
     return complete, red
 
 
-def preflight_jobs(config: DictConfig) -> None:
+def preflight_jobs(config: DictConfig) -> list[tuple[str, ...]]:
     """Compose every job of the sweep and check it as its run would (``rlsweep.run.preflight``), before any runs.
 
     A job that cannot run (a geometry its profile cannot serve, a contract row it lacks) stops the sweep here,
     in one line naming the job, instead of after the jobs before it have spent their time.
     """
     loader = GlobalHydra.instance().config_loader()
-    for num, overrides in enumerate(job_list(config.hydra, "this sweep")):
+    jobs = job_list(config.hydra, "this sweep")
+    for num, overrides in enumerate(jobs):
         try:
             job_cfg = loader.load_sweep_config(config, list(overrides))
             with open_dict(job_cfg):
                 del job_cfg["hydra"]
-            preflight(job_cfg)
+            preflight(run_spec(job_cfg))
         except Exception as err:
             raise ConfigError(f"job #{num} ({' '.join(overrides)}) cannot run: {one_line(err)}") from err
+    return jobs
 
 
 class RlsweepCallback(Callback):
@@ -114,9 +118,11 @@ class RlsweepCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         def start() -> None:
             check_output_dir(config.hydra.sweep.dir, "hydra.sweep.dir")
-            preflight_jobs(config)
-            acquire(Path(config.hydra.sweep.dir))  # held until this process ends, gate included
-            SESSION.sweep_dir = Path(config.hydra.sweep.dir)
+            jobs = preflight_jobs(config)
+            sweep_dir = Path(config.hydra.sweep.dir)
+            acquire(sweep_dir)  # held until this process ends, gate included
+            write_job_list(sweep_dir, jobs)
+            SESSION.sweep_dir = sweep_dir
 
         fatal(start)
 

@@ -14,6 +14,7 @@ from rlsweep.errors import TablesNotFoundError
 from rlsweep.exitcodes import ExitCode, guarded
 from rlsweep.gate import GateResult, run_gate, verdict_counts, write_sweep_outputs
 from rlsweep.locks import locked
+from rlsweep.verdicts import expectation
 
 PROG = "python -m rlsweep.check"
 MAX_LISTED = 10
@@ -28,9 +29,9 @@ def console_summary(result: GateResult) -> str:
         lines.append(f"{row.profile:<24} {row.tp:>3} {row.passed + row.failed:>8} {row.failed:>7} {row.unexpected:>16}")
     unexpected = result.unexpected
     for row in unexpected.head(MAX_LISTED).itertuples():
-        expectation = "expected pass" if row.expected_pass else "expected red, passed"
         lines.append(
-            f"  RED {row.profile} tp={row.tp} {row.judgment} {row.tensor} {row.lhs_cell} ({expectation}): {row.detail}"
+            f"  RED {row.profile} tp={row.tp} {row.judgment} {row.tensor} {row.lhs_cell} "
+            f"({expectation(row.expected_pass)}): {row.detail}"
         )
     if len(unexpected) > MAX_LISTED:
         lines.append(f"  ... {len(unexpected) - MAX_LISTED} more in summary.md")

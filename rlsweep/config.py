@@ -1,19 +1,25 @@
-"""Structured configs: the schema Hydra validates every composed run config against (docs/index.md)."""
+"""The config layer: Hydra's schema for a run config, the one parse into a RunSpec, and a sweep's job list.
+
+Only this module, ``rlsweep.callbacks`` and ``rlsweep.__main__`` import Hydra or OmegaConf (docs/design.md):
+everything below takes the typed ``rlsweep.spec.RunSpec`` that ``run_spec`` returns. The schema types the keys
+Hydra composes; ``rlsweep.spec`` checks their values.
+"""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-import kernels
-from rlsweep.errors import ConfigError
+from rlsweep.errors import ConfigError, RlsweepError
+from rlsweep.manifest import config_text_sha256
+from rlsweep.spec import RunSpec, parse_run_spec
 
-WEIGHT_SOURCES = ("synthetic", "file")
-DEVICES = kernels.PLATFORMS
-WORKLOAD_SOURCES = ("synthetic", "replay")
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 
 
 @dataclass
@@ -65,12 +71,11 @@ class ProfileConfig:
     device: str = "cpu"  # cpu | cuda
     execution_dtype: str = "bfloat16"
     logits_dtype: str | None = None  # where the logits are rounded (the op class); null: the execution dtype
-    accumulation_dtype: str = "float32"
-    tf32: bool = False
     vocab_tile: int = 256
     determinism_scope: str = "fixed_topology"  # cross_tp_bitwise | fixed_topology
     merge_order: str = "rank_shard"  # global_tile | rank_shard: how the TP partials are merged
     required_nodes: dict[str, str] = field(default_factory=dict)  # op node -> backend id
+    backend_module: str | None = None  # imported first: a module that registers backend_family (docs/extending.md)
     expected_red: list[ExpectedVerdictConfig] = field(default_factory=list)
 
 
@@ -138,6 +143,41 @@ def check_complete(cfg: DictConfig) -> None:
             f"mandatory config values are not set: {', '.join(missing)}; give each on the command line "
             f"(e.g. {missing[0]}=...)"
         )
+
+
+def run_spec(cfg: DictConfig) -> RunSpec:
+    """The typed, checked run of a composed config (without its ``hydra`` node): the only way in."""
+    check_complete(cfg)
+    return parse_run_spec(OmegaConf.to_container(cfg, resolve=True))
+
+
+def saved_config_sha256(cfg: DictConfig) -> str:
+    """The hash of the text Hydra saves beside a run (``.hydra/config.yaml``), for the run's manifest to name."""
+    return config_text_sha256(OmegaConf.to_yaml(cfg))
+
+
+def job_list(hydra_cfg: DictConfig, where: str) -> list[tuple[str, ...]]:
+    """Every job's overrides from a sweep's ``hydra`` node, in the basic sweeper's order; ``where`` names it."""
+    try:
+        sweeper = OmegaConf.select(hydra_cfg, "sweeper._target_")
+        params_node = OmegaConf.select(hydra_cfg, "sweeper.params")
+        params = OmegaConf.to_container(params_node, resolve=False) if params_node is not None else {}
+        task = OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)
+    except Exception as err:
+        raise ConfigError(f"{where} cannot be read as Hydra's sweep record: {' '.join(str(err).split())}") from err
+    if sweeper != BASIC_SWEEPER:
+        raise RlsweepError(f"{where}: cannot list the jobs of sweeper {sweeper!r}; rlsweep gates {BASIC_SWEEPER}")
+    arguments = [f"{key}={value}" for key, value in params.items()] + list(task)
+    choices: dict[str, list[str]] = {}  # key -> its "key=value" choices; a later override of a key replaces it
+    for override in OverridesParser.create().parse_overrides(arguments):
+        key = override.get_key_element()
+        if not override.is_sweep_override():
+            choices[key] = [f"{key}={override.get_value_element_as_str()}"]
+        elif override.is_discrete_sweep():
+            choices[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
+        else:
+            raise RlsweepError(f"{where}: the basic sweeper cannot expand {key!r} ({override.input_line})")
+    return list(itertools.product(*choices.values()))
 
 
 def register_configs() -> None:

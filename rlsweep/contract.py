@@ -7,6 +7,7 @@ same document as Hydra composed it. Both validate it and return a frozen :class:
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
@@ -15,23 +16,24 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
+import yaml
 
 import kernels
 from rlsweep.errors import ContractError
 from rlsweep.manifest import canonical_sha256
 from rlsweep.mismatch import ALIAS_OF, BY_NAME, METRIC_NAMES, ActiveTokens
+from rlsweep.verdicts import FORWARD_TENSORS, GRADIENT_TENSORS, Judgment
 
 CONTRACT_JUDGMENTS = (
-    "forward_accuracy",
-    "forward_invariance",
-    "tp_invariance",
-    "backend_parity",
-    "gradient_accuracy",
-    "gradient_invariance",
+    Judgment.FORWARD_ACCURACY,
+    Judgment.FORWARD_INVARIANCE,
+    Judgment.TP_INVARIANCE,
+    Judgment.BACKEND_PARITY,
+    Judgment.GRADIENT_ACCURACY,
+    Judgment.GRADIENT_INVARIANCE,
 )
 # Judgments whose every row must be bitwise; tp_invariance's cross_tp_bitwise scope is checked too.
-BITWISE_JUDGMENTS = ("forward_invariance", "gradient_invariance")
+BITWISE_JUDGMENTS = (Judgment.FORWARD_INVARIANCE, Judgment.GRADIENT_INVARIANCE)
 DETERMINISM_SCOPES = tuple(scope.value for scope in kernels.DeterminismScope)
 BITWISE_SCOPE = kernels.DeterminismScope.CROSS_TP_BITWISE.value
 COMPARISON_MODES = ("bitwise", "tolerance", "rounding_model")
@@ -39,8 +41,6 @@ ROUNDING_MODEL = "rounding_model"  # |lhs - rhs| <= the per-token bound of kerne
 CONTRACT_DTYPES = kernels.EXECUTION_DTYPE_NAMES
 # Every contract judges these chain metrics (v1's three); `judged_metrics` may add any of rlsweep.mismatch.METRICS.
 REQUIRED_CHAIN_METRICS = ("max_abs_dlogp", "approx_kl0", "clipfrac0")
-FORWARD_TENSORS = ("logp", "lse")
-GRADIENT_TENSORS = ("grad_hidden", "grad_weight")
 CONTRACT_TENSORS = FORWARD_TENSORS + GRADIENT_TENSORS
 PIN_KEY = "expected_sha256"
 DEFAULT_CONTRACT = "v2"
@@ -156,7 +156,7 @@ class Contract:
         """The key of the row serving ``op`` (its own row, else one written for every op class)."""
         if judgment not in CONTRACT_JUDGMENTS:
             raise ContractError(f"unknown judgment {judgment!r}; the contract has: {', '.join(CONTRACT_JUDGMENTS)}")
-        if judgment == "tp_invariance":
+        if judgment == Judgment.TP_INVARIANCE:
             scope = BITWISE_SCOPE if scope is None else scope
             if scope not in DETERMINISM_SCOPES:
                 raise ContractError(f"unknown determinism scope {scope!r}; valid: {', '.join(DETERMINISM_SCOPES)}")
@@ -209,12 +209,32 @@ def default_contract_path(name: str = DEFAULT_CONTRACT) -> Path:
     return Path(str(resources.files("conf").joinpath("contract", f"{name}.yaml")))
 
 
+class ContractLoader(yaml.SafeLoader):
+    """YAML as the contract's readers write it: ``5e-5`` is a float, as when Hydra composes the same file."""
+
+
+ContractLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)?|\.[0-9_]+(?:[eE][-+]?[0-9]+)?|\.(?:inf|Inf|INF|nan|NaN|NAN))$"
+    ),
+    list("-+0123456789."),
+)
+
+
 def load_contract(path: str | Path | None = None) -> Contract:
     """Read and validate a contract file (default: the packaged DEFAULT_CONTRACT)."""
     path = default_contract_path() if path is None else Path(path)
     if not path.is_file():
         raise ContractError(f"contract file {str(path)!r} does not exist")
-    document = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    try:
+        document = yaml.load(path.read_text(), Loader=ContractLoader)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise ContractError(
+            f"contract file {str(path)!r} cannot be read as YAML: {' '.join(str(err).split())}"
+        ) from err
+    if not isinstance(document, Mapping):
+        raise ContractError(f"contract file {str(path)!r} must hold a mapping, got {type(document).__name__}")
     return contract_from_mapping(document, source=str(path))
 
 
@@ -281,7 +301,7 @@ def parse_judgments(section: Mapping[str, Any], source: str) -> dict[RowKey, Tol
     for judgment, block in section.items():
         if judgment not in CONTRACT_JUDGMENTS:
             raise ContractError(f"{source}: unknown judgment {judgment!r}; valid: {', '.join(CONTRACT_JUDGMENTS)}")
-        if judgment == "tp_invariance":
+        if judgment == Judgment.TP_INVARIANCE:
             reject_unknown(block, ("scopes",), f"{source}: judgments.{judgment}")
             scopes = block.get("scopes", {})
             if set(scopes) != set(DETERMINISM_SCOPES):

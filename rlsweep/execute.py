@@ -9,10 +9,10 @@ from functools import partial
 import torch
 
 import kernels
-from rlsweep.config import LayoutConfig, ModelConfig
 from rlsweep.errors import ConfigError
-from rlsweep.layouts import NONE, Call, Cell, filler_rows, largest_calls, restore_logical_order
+from rlsweep.layouts import NONE, Call, Cell, largest_calls, restore_logical_order
 from rlsweep.model import GENERATION_ROWS
+from rlsweep.spec import RunSpec
 from rlsweep.synthetic import normal_matrix_bytes
 from rlsweep.workload import Workload, WorkloadShape
 
@@ -114,17 +114,7 @@ def size_text(size: int) -> str:
     return f"{size / GIB:,.1f} GiB" if size >= GIB else f"{size / MIB:,.1f} MiB"
 
 
-def peak_bytes(
-    model: ModelConfig,
-    layout: LayoutConfig,
-    shape: WorkloadShape,
-    *,
-    dtype: torch.dtype,
-    vocab_tile: int,
-    tp: int,
-    tp_mode: str,
-    synthetic_workload: bool,
-) -> Footprint:
+def peak_bytes(spec: RunSpec, shape: WorkloadShape) -> Footprint:
     """Peak bytes a run allocates on its device: what it holds throughout plus its largest phase.
 
     With V = vocab_size, H = hidden_size, e = the execution dtype's bytes, T tokens (A active), F needle filler
@@ -150,12 +140,14 @@ def peak_bytes(
     tables), CUDA's caching allocator and library workspaces. Ranks of tp_mode=distributed on other GPUs
     than the run's are counted as if on it. tests/test_input_bounds.py checks it against a CPU run's peak RSS.
     """
-    vocab, hidden, itemsize = model.vocab_size, model.hidden_size, dtype.itemsize
+    model, layout, tp_mode = spec.model, spec.layout, spec.tp_mode
+    synthetic_workload = spec.workload.source == "synthetic"
+    vocab, hidden, itemsize = model.vocab_size, model.hidden_size, spec.profile.dtype.itemsize
     tokens, active = shape.num_tokens, shape.num_active
     calls = largest_calls(layout, shape)
     widest = max(calls, key=calls.__getitem__)
-    rows, filler = calls[widest], filler_rows(layout)
-    padded = kernels.padded_vocab_size(vocab, vocab_tile, tp)
+    rows, filler = calls[widest], layout.filler_rows
+    padded, vocab_tile = spec.sharding.padded_vocab_size, spec.sharding.vocab_tile
     weight = vocab * hidden * itemsize
     weight64 = vocab * hidden * FLOAT64_BYTES
     resident = {
@@ -185,7 +177,7 @@ def peak_bytes(
         "tokens": tokens,
         "largest_call_rows": rows,
         "filler_rows": filler,
-        "tp": tp,
+        "tp": spec.tp,
     }
     return Footprint(resident, phases, sizes)
 

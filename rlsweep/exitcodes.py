@@ -10,8 +10,6 @@ import sys
 from collections.abc import Callable, Iterable
 from enum import IntEnum
 
-from hydra.errors import CompactHydraException
-
 import kernels
 from rlsweep.errors import RlsweepError
 
@@ -40,11 +38,12 @@ def combine(codes: Iterable[ExitCode]) -> ExitCode:
 
 
 def one_line(err: BaseException) -> str:
-    """An exception as one line: its message, or its type where the message is empty."""
+    """An exception as one line: its message, or its type where the message is empty, then its cause's
+    message where it does not already say it (Hydra's composition errors keep the reason in their cause)."""
     text = " ".join(str(err).split()) or type(err).__name__
-    cause = err.__cause__
-    if isinstance(err, CompactHydraException) and cause is not None and str(cause):
-        text += f" ({' '.join(str(cause).split())})"
+    cause = " ".join(str(err.__cause__ or "").split())
+    if cause and cause not in text:
+        text += f" ({cause})"
     return text
 
 

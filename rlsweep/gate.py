@@ -9,7 +9,7 @@ seed and tp. Reading from disk makes the gate work with any launcher.
 
 from __future__ import annotations
 
-import itertools
+import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -20,29 +20,15 @@ from typing import Any
 import pandas as pd
 import pyarrow as pa
 import torch
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import DictConfig, OmegaConf
+import yaml
 
 import kernels
-from rlsweep.config import ExpectedVerdictConfig
-from rlsweep.contract import FORWARD_TENSORS, Contract, contract_from_mapping, op_class
-from rlsweep.errors import RlsweepError, TablesNotFoundError
+from rlsweep.contract import Contract, contract_from_mapping, op_class
+from rlsweep.errors import TablesNotFoundError
 from rlsweep.exitcodes import ExitCode, combine
-from rlsweep.judgments import (
-    REPORTED_ONLY,
-    SWEEP_JUDGMENTS,
-    Verdict,
-    applies,
-    apply_expected,
-    compare_tokens,
-    declaration_verdict,
-    declared,
-    declares,
-    describe,
-    expectations_for,
-)
-from rlsweep.layouts import CANONICAL_CELL
+from rlsweep.judgments import apply_expected, compare_tokens, declaration_verdict
 from rlsweep.manifest import HYDRA_CONFIG, MANIFEST_FILE, read_manifest, table_files, verify_run
+from rlsweep.spec import CANONICAL_CELL, ExpectedRed, declarations_of
 from rlsweep.tables import (
     CHECKS_SCHEMA,
     CHECKS_TABLE,
@@ -56,10 +42,12 @@ from rlsweep.tables import (
     read_table,
     write_tables,
 )
+from rlsweep.verdicts import FORWARD_TENSORS, REPORTED_ONLY, SWEEP_JUDGMENTS, Judgment, Verdict, as_expected
 
 MULTIRUN_FILE = "multirun.yaml"  # Hydra's record of a sweep: its sweeper, parameters and overrides
+JOBS_FILE = "jobs.json"  # every job's overrides, written at the sweep's start (rlsweep.callbacks)
+JOBS_FORMAT = "rlsweep-sweep-jobs/1"
 JOB_OVERRIDES = Path(".hydra") / "overrides.yaml"
-BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 SWEEP_CHECKS_TABLE = "sweep_checks.parquet"
 SUMMARY_FILE = "summary.md"
 TP_MODE_ORDER = ("emulated", "distributed")  # the baseline of a tp group is emulated when both ran
@@ -85,8 +73,13 @@ class RunTables:
         return f"{self.run['profile']} tp={self.run['tp']} ({self.run['tp_mode']})"
 
     @property
-    def expected_red(self) -> list[ExpectedVerdictConfig]:
-        return expectations_for(self.config)
+    def declarations(self) -> tuple[ExpectedRed, ...]:
+        return declarations_of(self.config)
+
+    @property
+    def expected_red(self) -> list[ExpectedRed]:
+        """The declarations that select this run."""
+        return [d for d in self.declarations if d.applies(self.run["profile"], self.run["tp"])]
 
 
 @dataclass
@@ -102,7 +95,7 @@ class GateResult:
     @property
     def unexpected(self) -> pd.DataFrame:
         both = pd.concat([self.run_checks, self.sweep_checks], ignore_index=True)
-        return both[both["passed"] != both["expected_pass"]] if len(both) else both
+        return both[~as_expected(both["passed"], both["expected_pass"])] if len(both) else both
 
     @property
     def exit_code(self) -> ExitCode:
@@ -111,38 +104,27 @@ class GateResult:
         return combine(found + ([ExitCode.RED] if len(self.unexpected) else []))
 
 
+def write_job_list(sweep_dir: Path, jobs: Sequence[Sequence[str]]) -> None:
+    """Record every job's overrides at the sweep's start, for the gate to judge the sweep against."""
+    text = json.dumps({"format": JOBS_FORMAT, "jobs": [list(job) for job in jobs]}, indent=2) + "\n"
+    write_tables(sweep_dir, {}, files={JOBS_FILE: text})
+
+
 def sweep_jobs(sweep_dir: Path) -> list[tuple[str, ...]]:
-    """Every job's overrides, as Hydra's basic sweeper expands them from the sweep's ``multirun.yaml``."""
-    path = sweep_dir / MULTIRUN_FILE
+    """Every job's overrides, in job order, as the sweep recorded them at its start (``write_job_list``)."""
+    path = sweep_dir / JOBS_FILE
     try:
-        hydra_cfg = OmegaConf.load(path).hydra
-    except Exception as err:
-        raise TableError(f"{str(path)!r} cannot be read as Hydra's sweep record: {' '.join(str(err).split())}") from err
-    return job_list(hydra_cfg, repr(str(path)))
-
-
-def job_list(hydra_cfg: DictConfig, where: str) -> list[tuple[str, ...]]:
-    """Every job's overrides from a sweep's ``hydra`` node, in the basic sweeper's order; ``where`` names it."""
-    try:
-        sweeper = OmegaConf.select(hydra_cfg, "sweeper._target_")
-        params_node = OmegaConf.select(hydra_cfg, "sweeper.params")
-        params = OmegaConf.to_container(params_node, resolve=False) if params_node is not None else {}
-        task = OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)
-    except Exception as err:
-        raise TableError(f"{where} cannot be read as Hydra's sweep record: {' '.join(str(err).split())}") from err
-    if sweeper != BASIC_SWEEPER:
-        raise RlsweepError(f"{where}: cannot list the jobs of sweeper {sweeper!r}; rlsweep gates {BASIC_SWEEPER}")
-    arguments = [f"{key}={value}" for key, value in params.items()] + list(task)
-    choices: dict[str, list[str]] = {}  # key -> its "key=value" choices; a later override of a key replaces it
-    for override in OverridesParser.create().parse_overrides(arguments):
-        key = override.get_key_element()
-        if not override.is_sweep_override():
-            choices[key] = [f"{key}={override.get_value_element_as_str()}"]
-        elif override.is_discrete_sweep():
-            choices[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
-        else:
-            raise RlsweepError(f"{where}: the basic sweeper cannot expand {key!r} ({override.input_line})")
-    return list(itertools.product(*choices.values()))
+        record = json.loads(path.read_text())
+        if record.get("format") != JOBS_FORMAT or not all(
+            isinstance(job, list) and all(isinstance(o, str) for o in job) for job in record["jobs"]
+        ):
+            raise ValueError(f"not an rlsweep job list ({JOBS_FORMAT})")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise TableError(
+            f"{str(path)!r} cannot be read as the sweep's job list ({' '.join(str(err).split())}); rlsweep writes "
+            "it when a sweep starts, so this sweep was not started by rlsweep or its record is damaged"
+        ) from err
+    return [tuple(job) for job in record["jobs"]]
 
 
 def job_overrides(run_dir: Path) -> tuple[str, ...] | None:
@@ -150,9 +132,12 @@ def job_overrides(run_dir: Path) -> tuple[str, ...] | None:
     if not path.is_file():
         return None
     try:
-        return tuple(OmegaConf.to_container(OmegaConf.load(path), resolve=False))
-    except Exception:
+        overrides = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return None
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        return None
+    return tuple(overrides)
 
 
 def candidate_dirs(root: Path) -> set[Path]:
@@ -266,21 +251,21 @@ def declaration_check(runs: Sequence[RunTables], sweep_rows: Sequence[dict[str, 
 
     Each run already judged its own run-judgment declarations (a red ``expected_red`` row where one matched nothing).
     """
-    seen: dict[str, ExpectedVerdictConfig] = {}
+    seen: dict[str, ExpectedRed] = {}
     for run in runs:
-        for declaration in declared(run.config):
-            seen.setdefault(describe(declaration), declaration)
+        for declaration in run.declarations:
+            seen.setdefault(declaration.describe(), declaration)
     rows = []
     for declaration in seen.values():
-        selected = [run for run in runs if applies(declaration, run.config)]
+        selected = [run for run in runs if declaration.applies(run.run["profile"], run.run["tp"])]
         if not selected:
             verdict = replace(declaration_verdict(declaration, 0, "this sweep"),
-                              detail=f"{describe(declaration)} selects no run of this sweep")  # fmt: skip
+                              detail=f"{declaration.describe()} selects no run of this sweep")  # fmt: skip
             rows += verdict_rows(runs[0], [verdict])
         elif declaration.judgment in SWEEP_JUDGMENTS:
             ids = {run.run["run_id"] for run in selected}
             matched = sum(
-                declares(declaration, row["judgment"], row["lhs_cell"], row["tensor"])
+                declaration.declares(row["judgment"], row["lhs_cell"], row["tensor"])
                 for row in sweep_rows
                 if row["run_id"] in ids
             )
@@ -360,12 +345,12 @@ def tp_invariance(lhs: RunTables, baseline: RunTables) -> list[Verdict]:
     """Bitwise for cross_tp_bitwise profiles, else the contract's fixed_topology tolerance row."""
     scope = lhs.config["profile"]["determinism_scope"]
     cells = [cell for cell in lhs.tokens["cell"].unique() if cell in set(baseline.tokens["cell"])]
-    verdicts = [v for cell in cells for v in compare_cell("tp_invariance", lhs, baseline, cell, scope)]
+    verdicts = [v for cell in cells for v in compare_cell(Judgment.TP_INVARIANCE, lhs, baseline, cell, scope)]
     return apply_expected(verdicts, lhs.expected_red)
 
 
 def backend_parity(lhs: RunTables, rhs: RunTables) -> list[Verdict]:
-    verdicts = compare_cell("backend_parity", lhs, rhs, CANONICAL_CELL, None)
+    verdicts = compare_cell(Judgment.BACKEND_PARITY, lhs, rhs, CANONICAL_CELL, None)
     return apply_expected(verdicts, lhs.expected_red)
 
 
@@ -389,7 +374,7 @@ def count_verdicts(checks: pd.DataFrame, by: Sequence[str] = VERDICT_GROUPS) -> 
     checks = checks[~reported_only(checks)] if len(checks) else checks
     if not len(checks):
         return pd.DataFrame(columns=[*by, *VERDICT_COUNTS])
-    checks = checks.assign(failed=~checks["passed"], unexpected=checks["passed"] != checks["expected_pass"])
+    checks = checks.assign(failed=~checks["passed"], unexpected=~as_expected(checks["passed"], checks["expected_pass"]))
     return checks.groupby(list(by), observed=True)[list(VERDICT_COUNTS)].sum().astype(int).reset_index()
 
 
@@ -411,7 +396,8 @@ def summary_markdown(result: GateResult) -> str:
         for r in counts.itertuples()
     ]
     tolerance_tp = result.sweep_checks[
-        (result.sweep_checks["judgment"] == "tp_invariance") & (result.sweep_checks["metric"] != "mismatched_tokens")
+        (result.sweep_checks["judgment"] == Judgment.TP_INVARIANCE)
+        & (result.sweep_checks["metric"] != "mismatched_tokens")
     ]
     if len(tolerance_tp):
         bitwise = tolerance_tp["detail"].str.contains("also bitwise: True")

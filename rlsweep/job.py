@@ -5,14 +5,14 @@ docs/sweeps.md ("Complete") says what a reader may trust: only tables that a mat
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-
-from omegaconf import DictConfig, OmegaConf
 
 from rlsweep.exitcodes import ExitCode
 from rlsweep.locks import locked
 from rlsweep.manifest import RunIdentity, identify, invalidate, verify_run, write_manifest
 from rlsweep.run import RunOutcome, execute
+from rlsweep.spec import RunSpec
 from rlsweep.tables import CHECKS_TABLE, RunLocation, check_writable
 
 MAX_LISTED = 20
@@ -27,9 +27,9 @@ def summary(outcome: RunOutcome) -> str:
         f"tables: {outcome.location.root}: {', '.join(str(path) for path in outcome.files.values())}",
     ]
     for verdict in unexpected[:MAX_LISTED]:
-        expectation = "expected pass" if verdict.expected_pass else "expected red, passed"
         lines.append(
-            f"  {verdict.judgment} {verdict.lhs_cell or '-'} {verdict.tensor or '-'} ({expectation}): {verdict.detail}"
+            f"  {verdict.judgment} {verdict.lhs_cell or '-'} {verdict.tensor or '-'} ({verdict.expectation}): "
+            f"{verdict.detail}"
         )
     if len(unexpected) > MAX_LISTED:
         lines.append(f"  ... {len(unexpected) - MAX_LISTED} more in {outcome.files[CHECKS_TABLE]}")
@@ -42,17 +42,26 @@ def already_done(directory: Path, identity: RunIdentity) -> bool:
     return state.complete and state.manifest.get("content_sha256") == identity.content_sha256
 
 
-def run_job(cfg: DictConfig, location: RunLocation, *, resume: bool, standalone: bool) -> ExitCode:
-    """One run at ``location``, its run dir held locked; returns GREEN or RED, raises on bad input.
+def run_job(
+    read_spec: Callable[[], RunSpec],
+    location: RunLocation,
+    *,
+    resume: bool,
+    standalone: bool,
+    saved_config_sha256: str | None = None,
+) -> ExitCode:
+    """The run ``read_spec`` parses, at ``location``, its run dir held locked; GREEN or RED, raises on bad input.
 
+    A config that does not parse leaves nothing behind that reads as its result: the dir's old tables go first.
     ``resume``: skip the run when its manifest says the same content produced it (a sweep re-run).
+    ``saved_config_sha256``: the hash of the config Hydra saved beside the run (``rlsweep.manifest``).
     """
     directory = location.run_dir
     check_writable(directory)
     with locked(directory):
-        config = OmegaConf.to_container(cfg, resolve=True)
         try:
-            identity = identify(config)
+            spec = read_spec()
+            identity = identify(spec.config, saved_config_sha256)
         except BaseException:
             invalidate(location)
             raise
@@ -60,7 +69,7 @@ def run_job(cfg: DictConfig, location: RunLocation, *, resume: bool, standalone:
             print(f"rlsweep: skipping: run {identity.run_id} is complete in {directory} (same content)")
             return ExitCode.GREEN
         invalidate(location)
-        outcome = execute(cfg, location, identity, standalone=standalone)
+        outcome = execute(spec, location, identity, standalone=standalone)
         write_manifest(location, identity, outcome.files)
     print(summary(outcome))
     return outcome.exit_code

@@ -7,58 +7,23 @@ provenance prevented, so what did not run is judged red rather than missing.
 
 from __future__ import annotations
 
-import fnmatch
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
 import kernels
-from rlsweep.config import ExpectedVerdictConfig
-from rlsweep.contract import FORWARD_TENSORS, ROUNDING_MODEL, Contract, Tolerance
-from rlsweep.errors import ConfigError
+from rlsweep.contract import ROUNDING_MODEL, Contract, Tolerance
 from rlsweep.execute import CellResult
-from rlsweep.layouts import DECODE_CELL
 from rlsweep.mismatch import METRICS, ActiveTokens
+from rlsweep.spec import CHAIN_ROLES, DECODE_CELL, DECODE_PARITY_ROLES, ExpectedRed
+from rlsweep.verdicts import FORWARD_TENSORS, NO_CELL, REPORTED_ONLY, RUN_JUDGMENTS, Judgment, Verdict
 from rlsweep.workload import Workload
 
-RUN_JUDGMENTS = ("forward_accuracy", "forward_invariance", "chain_aggregates", "smoke", "provenance", "contract")
-SWEEP_JUDGMENTS = ("tp_invariance", "backend_parity")
-JUDGMENTS = RUN_JUDGMENTS + SWEEP_JUDGMENTS  # what an expected_red declaration may name
-DECLARATION = "expected_red"  # the judgment of a row about a declaration that matched nothing
 NOT_RUN = "not_run"  # the metric of a row whose judgment provenance prevented
-PER_METRIC = ("chain_aggregates", "smoke")  # judgments with one row per metric rather than per cell
+PER_METRIC = (Judgment.CHAIN_AGGREGATES, Judgment.SMOKE)  # judgments with one row per metric rather than per cell
 SMOKE_ROWS = (("logp,lse", "nonfinite_values"), ("logp", "max_logp"), ("logp", "active_tokens"))  # (tensor, metric)
-NO_CELL = ""  # lhs_cell/rhs_cell of verdicts that are not about a cell (contract, weight pin)
-# The detail's start of a chain row the contract has no row for: threshold NaN, passed and expected_pass true.
-REPORTED_ONLY = "reported, not judged"
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """One row of checks.parquet without the run columns."""
-
-    judgment: str
-    tensor: str
-    lhs_role: str
-    rhs_role: str
-    lhs_cell: str
-    rhs_cell: str
-    metric: str
-    value: float
-    threshold: float
-    passed: bool
-    expected_pass: bool = True
-    first_sample_id: int | None = None
-    first_position: int | None = None
-    detail: str = ""
-    judged: bool = True  # False: a reported-only row (REPORTED_ONLY), which no declaration can make expected red
-
-    @property
-    def as_expected(self) -> bool:
-        return self.passed == self.expected_pass
 
 
 def compare_tokens(
@@ -138,16 +103,16 @@ class Standard:
 def forward_accuracy(
     result: CellResult, reference: CellResult, workload: Workload, standard: Standard
 ) -> list[Verdict]:
-    roles = standard.contract.roles_for("forward_accuracy")
+    roles = standard.contract.roles_for(Judgment.FORWARD_ACCURACY)
     return [
         compare(
-            "forward_accuracy",
+            Judgment.FORWARD_ACCURACY,
             tensor,
             roles,
             (result.cell.name, reference.cell.name),
             getattr(result, tensor),
             getattr(reference, tensor),
-            standard.row("forward_accuracy", tensor),
+            standard.row(Judgment.FORWARD_ACCURACY, tensor),
             workload,
             standard.bound[tensor],
         )
@@ -160,17 +125,17 @@ def forward_invariance(
 ) -> list[Verdict]:
     """Bitwise on logp and lse; the decode cell is the rollout-vs-training parity of the contract's roles."""
     contract = standard.contract
-    roles = contract.roles_for("decode_parity" if result.cell.name == DECODE_CELL else "forward_invariance")
+    roles = contract.roles_for(DECODE_PARITY_ROLES if result.cell.name == DECODE_CELL else Judgment.FORWARD_INVARIANCE)
     verdicts = []
     for tensor in FORWARD_TENSORS:
         verdict = compare(
-            "forward_invariance",
+            Judgment.FORWARD_INVARIANCE,
             tensor,
             roles,
             (result.cell.name, canonical.cell.name),
             getattr(result, tensor),
             getattr(canonical, tensor),
-            standard.row("forward_invariance", tensor),
+            standard.row(Judgment.FORWARD_INVARIANCE, tensor),
             workload,
         )
         rows = f"call rows {list(result.cell.call_rows)} vs {list(canonical.cell.call_rows)}"
@@ -187,7 +152,7 @@ def chain_aggregates(
     value fails it. The others are reported (REPORTED_ONLY), never judged.
     """
     contract = standard.contract
-    roles = contract.roles_for("chain_logprob_aggregates")
+    roles = contract.roles_for(CHAIN_ROLES)
     cells = (canonical.cell.name, reference.cell.name)
     thresholds = contract.chain_thresholds(standard.dtype)
     source = "rounding-model limits" if thresholds.mode == ROUNDING_MODEL else "contract figures"
@@ -203,7 +168,7 @@ def chain_aggregates(
     for metric in METRICS:
         value = math.nan if failure else metric.value(dlogp, tokens)
         about = failure or metric.describe(tokens)
-        row = Verdict("chain_aggregates", "logp", *roles, *cells, metric=metric.name, value=value,
+        row = Verdict(Judgment.CHAIN_AGGREGATES, "logp", *roles, *cells, metric=metric.name, value=value,
                       threshold=math.nan, passed=True, judged=False,
                       detail=f"{REPORTED_ONLY}: contract {contract.version} has no row for it; {about}")  # fmt: skip
         if metric.name in contract.chain_metrics:
@@ -229,8 +194,25 @@ def smoke(canonical: CellResult, workload: Workload, roles: tuple[str, str]) -> 
     verdicts = []
     for tensor, metric in SMOKE_ROWS:
         value, threshold, passed, detail = outcomes[metric]
-        verdicts.append(Verdict("smoke", tensor, *roles, canonical.cell.name, NO_CELL, metric=metric, value=value,
-                                threshold=threshold, passed=passed, detail=detail))  # fmt: skip
+        verdicts.append(Verdict(Judgment.SMOKE, tensor, *roles, canonical.cell.name, NO_CELL, metric=metric,
+                                value=value, threshold=threshold, passed=passed, detail=detail))  # fmt: skip
+    return verdicts
+
+
+def judge_cells(
+    results: Sequence[CellResult], reference: CellResult | None, workload: Workload, standard: Standard
+) -> list[Verdict]:
+    """Every kernel verdict of a run's cells (canonical first) against the reference and each other."""
+    if not results:
+        return []
+    canonical = results[0]
+    verdicts = []
+    for result in results:
+        verdicts += forward_accuracy(result, reference, workload, standard)
+    for result in results[1:]:
+        verdicts += forward_invariance(result, canonical, workload, standard)
+    verdicts += chain_aggregates(canonical, reference, workload, standard)
+    verdicts += smoke(canonical, workload, (standard.contract.roles_for(Judgment.FORWARD_ACCURACY)[0], "invariants"))
     return verdicts
 
 
@@ -245,7 +227,7 @@ def provenance_verdict(
         problems.append("no kernel call was observed")
     detail = "; ".join(problems[:5]) + (f"; ... {len(problems) - 5} more" if len(problems) > 5 else "")
     return Verdict(
-        "provenance",
+        Judgment.PROVENANCE,
         "",
         role,
         "required_nodes",
@@ -263,7 +245,7 @@ def weight_pin_verdict(pinned: str | None, observed: str) -> Verdict:
     passed = pinned is None or pinned == observed
     detail = "no weight_sha256 pin" if pinned is None else f"pinned weight_sha256 {pinned}, observed {observed}"
     return Verdict(
-        "provenance",
+        Judgment.PROVENANCE,
         "weight",
         "candidate",
         "model_pin",
@@ -282,7 +264,7 @@ def contract_verdict(contract: Contract) -> Verdict:
     passed = pin is None or pin == contract.sha256
     detail = "no contract.expected_sha256 pin" if pin is None else f"pinned {pin}, resolved {contract.sha256}"
     return Verdict(
-        "contract",
+        Judgment.CONTRACT,
         "",
         "resolved_contract",
         "pinned_contract",
@@ -296,77 +278,41 @@ def contract_verdict(contract: Contract) -> Verdict:
     )
 
 
-def check_expected(declarations: Iterable[ExpectedVerdictConfig]) -> None:
-    for declaration in declarations:
-        if declaration.judgment not in JUDGMENTS:
-            raise ConfigError(f"expected_red judgment {declaration.judgment!r} is not one of {', '.join(JUDGMENTS)}")
+def declaration_rows(
+    verdicts: Sequence[Verdict], declarations: Sequence[ExpectedRed], profile: str, tp: int, *, standalone: bool
+) -> list[Verdict]:
+    """Red rows for the declarations a run of ``profile`` at ``tp`` can judge and that match none of its verdicts.
 
-
-def declared(config: Mapping[str, Any]) -> list[ExpectedVerdictConfig]:
-    """Every expected-red declaration of a resolved run config: its profile's, then the sweep's."""
-    entries = [*config["profile"].get("expected_red", []), *config.get("expected_red", [])]
-    return [entry if isinstance(entry, ExpectedVerdictConfig) else ExpectedVerdictConfig(**entry) for entry in entries]
-
-
-def applies(declaration: ExpectedVerdictConfig, config: Mapping[str, Any]) -> bool:
-    """Whether a declaration's profile patterns and tp list select the run of ``config``."""
-    profile_matches = any(fnmatch.fnmatchcase(config["profile"]["name"], p) for p in declaration.profiles)
-    return profile_matches and (not declaration.tp or config["tp"] in declaration.tp)
-
-
-def expectations_for(config: Mapping[str, Any]) -> list[ExpectedVerdictConfig]:
-    """The expected-red declarations that apply to a resolved run config."""
-    return [declaration for declaration in declared(config) if applies(declaration, config)]
-
-
-def declaration_rows(verdicts: Sequence[Verdict], config: Mapping[str, Any], *, standalone: bool) -> list[Verdict]:
-    """Red rows for the declarations a run can judge and that match none of its verdicts.
-
-    In a sweep the run judges the declarations of run judgments that apply to it; the gate judges the rest.
+    In a sweep the run judges the declarations of run judgments that select it; the gate judges the rest.
     A run on its own is its whole sweep: every declaration must select it and match one of its verdicts.
     """
     scope = "this run"
     rows = []
-    for declaration in declared(config) if standalone else expectations_for(config):
-        if not applies(declaration, config):
-            rows.append(replace(declaration_verdict(declaration, 0, scope), detail=f"{describe(declaration)} "
+    for declaration in declarations:
+        selects = declaration.applies(profile, tp)
+        if not selects and standalone:
+            rows.append(replace(declaration_verdict(declaration, 0, scope), detail=f"{declaration.describe()} "
                                 "selects no run: its profiles/tp exclude this one"))  # fmt: skip
-        elif declaration.judgment in RUN_JUDGMENTS or standalone:
+        elif selects and (declaration.judgment in RUN_JUDGMENTS or standalone):
             rows += unmatched_declarations(verdicts, [declaration], scope)
     return rows
 
 
-def declares(declaration: ExpectedVerdictConfig, judgment: str, cell: str, tensor: str) -> bool:
-    """Whether a declaration covers a verdict row: its judgment, and a cell and tensor among its patterns."""
-    return (
-        declaration.judgment == judgment
-        and any(fnmatch.fnmatchcase(cell, pattern) for pattern in declaration.cells)
-        and any(fnmatch.fnmatchcase(tensor, pattern) for pattern in declaration.tensors)
-    )
-
-
-def apply_expected(verdicts: list[Verdict], declarations: Sequence[ExpectedVerdictConfig]) -> list[Verdict]:
+def apply_expected(verdicts: list[Verdict], declarations: Sequence[ExpectedRed]) -> list[Verdict]:
     """expected_pass = False where a declaration matches judgment, cell and tensor (strict, per row)."""
     out = []
     for verdict in verdicts:
         expected_red = verdict.judged and any(
-            declares(d, verdict.judgment, verdict.lhs_cell, verdict.tensor) for d in declarations
+            d.declares(verdict.judgment, verdict.lhs_cell, verdict.tensor) for d in declarations
         )
         out.append(replace(verdict, expected_pass=not expected_red))
     return out
 
 
-def describe(declaration: ExpectedVerdictConfig) -> str:
-    d = declaration
-    tp = f" tp={list(d.tp)}" if d.tp else ""
-    return (f"expected_red {{judgment: {d.judgment}, profiles: {list(d.profiles)}{tp}, cells: {list(d.cells)}, "
-            f"tensors: {list(d.tensors)}}} ({d.reason})")  # fmt: skip
-
-
-def declaration_verdict(declaration: ExpectedVerdictConfig, matched: int, scope: str) -> Verdict:
+def declaration_verdict(declaration: ExpectedRed, matched: int, scope: str) -> Verdict:
     """A row about one declaration: red when it matched no verdict in ``scope`` (a negative control gone blind)."""
     return Verdict(
-        DECLARATION,
+        Judgment.EXPECTED_RED,
         declaration.judgment,
         "declaration",
         "verdicts",
@@ -376,17 +322,17 @@ def declaration_verdict(declaration: ExpectedVerdictConfig, matched: int, scope:
         value=float(matched),
         threshold=1.0,
         passed=matched >= 1,
-        detail=f"{describe(declaration)} matched {matched} verdict(s) of {scope}",
+        detail=f"{declaration.describe()} matched {matched} verdict(s) of {scope}",
     )
 
 
 def unmatched_declarations(
-    verdicts: Sequence[Verdict], declarations: Sequence[ExpectedVerdictConfig], scope: str
+    verdicts: Sequence[Verdict], declarations: Sequence[ExpectedRed], scope: str
 ) -> list[Verdict]:
     """One red row per declaration that matches none of ``verdicts``."""
     rows = []
     for declaration in declarations:
-        matched = sum(declares(declaration, v.judgment, v.lhs_cell, v.tensor) for v in verdicts)
+        matched = sum(declaration.declares(v.judgment, v.lhs_cell, v.tensor) for v in verdicts)
         if not matched:
             rows.append(declaration_verdict(declaration, 0, scope))
     return rows
@@ -401,20 +347,28 @@ def planned_verdicts(cells: Sequence[str], contract: Contract) -> list[Verdict]:
                        threshold=math.nan, passed=False)  # fmt: skip
 
     planned = [
-        row("forward_accuracy", t, "forward_accuracy", cell, canonical) for cell in cells for t in FORWARD_TENSORS
+        row(Judgment.FORWARD_ACCURACY, t, Judgment.FORWARD_ACCURACY, cell, canonical)
+        for cell in cells
+        for t in FORWARD_TENSORS
     ]
     planned += [
-        row("forward_invariance", t, "decode_parity" if cell == DECODE_CELL else "forward_invariance", cell, canonical)
+        row(
+            Judgment.FORWARD_INVARIANCE,
+            t,
+            DECODE_PARITY_ROLES if cell == DECODE_CELL else Judgment.FORWARD_INVARIANCE,
+            cell,
+            canonical,
+        )
         for cell in cells[1:]
         for t in FORWARD_TENSORS
     ]
     planned += [
-        row("chain_aggregates", "logp", "chain_logprob_aggregates", canonical, canonical, name)
+        row(Judgment.CHAIN_AGGREGATES, "logp", CHAIN_ROLES, canonical, canonical, name)
         for metric in METRICS
         if metric.name in contract.chain_metrics
         for name in metric.names
     ]
-    planned += [row("smoke", t, "forward_accuracy", canonical, NO_CELL, m) for t, m in SMOKE_ROWS]
+    planned += [row(Judgment.SMOKE, t, Judgment.FORWARD_ACCURACY, canonical, NO_CELL, m) for t, m in SMOKE_ROWS]
     return planned
 
 
@@ -436,13 +390,3 @@ def not_run_verdicts(judged: Sequence[Verdict], planned: Sequence[Verdict], reas
         for plan in planned
         if plan_key(plan) not in done
     ]
-
-
-def contract_needs(cells: Sequence[str], dtype: str, op: str, scope: str) -> tuple[list, list[str], list[str]]:
-    """(tolerance rows, role pairs, chain dtypes) a run over ``cells`` and the sweeps it joins will judge."""
-    judgments = ["forward_accuracy", "backend_parity"] + (["forward_invariance"] if len(cells) > 1 else [])
-    rows = [(judgment, "", tensor, dtype, op) for judgment in judgments for tensor in FORWARD_TENSORS]
-    rows += [("tp_invariance", scope, tensor, dtype, op) for tensor in FORWARD_TENSORS]
-    roles = [*judgments, "tp_invariance", "chain_logprob_aggregates"]
-    roles += ["decode_parity"] if DECODE_CELL in cells[1:] else []
-    return rows, roles, [dtype]

@@ -13,7 +13,7 @@ import os
 import socket
 import sys
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from rlsweep.errors import OutputDirError
@@ -56,7 +56,7 @@ def acquire(directory: Path) -> None:
     holder = {
         "pid": os.getpid(),
         "host": socket.gethostname(),
-        "since": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "since": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
     }
     os.ftruncate(fd, 0)

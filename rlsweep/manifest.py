@@ -14,12 +14,12 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+import yaml
 
 import kernels
 from rlsweep.environment import git_commit
@@ -27,7 +27,7 @@ from rlsweep.errors import ReplayInputError, TablesNotFoundError
 from rlsweep.tables import RUN_TABLES, RunLocation, remove_tables, write_tables
 
 MANIFEST_FILE = "manifest.json"
-MANIFEST_FORMAT = "rlsweep-run-manifest/2"
+MANIFEST_FORMAT = "rlsweep-run-manifest/3"
 HYDRA_CONFIG = Path(".hydra") / "config.yaml"  # the config Hydra saved beside a run's tables
 SOURCE_SUFFIXES = (".py", ".yaml")
 CHUNK = 1 << 20
@@ -101,6 +101,7 @@ class RunIdentity:
     content_sha256: str
     inputs: Mapping[str, str]
     code: Mapping[str, Any]
+    saved_config_sha256: str | None = None  # of the config text Hydra saves beside the run (config_text_sha256)
 
     @property
     def run_id(self) -> str:
@@ -108,13 +109,16 @@ class RunIdentity:
         return self.config_sha256[:16]
 
 
-def identify(config: Mapping[str, Any]) -> RunIdentity:
-    """The identity of a resolved run config (plain containers); reads and hashes its input files."""
+def identify(config: Mapping[str, Any], saved_config_sha256: str | None = None) -> RunIdentity:
+    """The identity of a resolved run config (plain containers); reads and hashes its input files.
+
+    ``saved_config_sha256``: the hash of the config file Hydra saves beside the run, where it saves one.
+    """
     config_hash = canonical_sha256(config)
     inputs = input_files(config)
     code = code_version()
     content = canonical_sha256({"config": config_hash, "inputs": inputs, "code": code["sources_sha256"]})
-    return RunIdentity(config_hash, content, inputs, code)
+    return RunIdentity(config_hash, content, inputs, code, saved_config_sha256)
 
 
 def write_manifest(location: RunLocation, identity: RunIdentity, tables: Mapping[str, Path]) -> dict[str, Any]:
@@ -123,6 +127,7 @@ def write_manifest(location: RunLocation, identity: RunIdentity, tables: Mapping
         "format": MANIFEST_FORMAT,
         "run_id": identity.run_id,
         "config_sha256": identity.config_sha256,
+        "saved_config_sha256": identity.saved_config_sha256,
         "content_sha256": identity.content_sha256,
         "inputs": dict(identity.inputs),
         "code": dict(identity.code),
@@ -130,7 +135,7 @@ def write_manifest(location: RunLocation, identity: RunIdentity, tables: Mapping
             name: {"path": os.path.relpath(path, location.run_dir), "sha256": file_sha256(path, "table")}
             for name, path in tables.items()
         },
-        "written": datetime.now(timezone.utc).isoformat(),
+        "written": datetime.now(UTC).isoformat(),
     }
     write_tables(location.run_dir, {}, files={MANIFEST_FILE: json.dumps(manifest, indent=2, sort_keys=True) + "\n"})
     return manifest
@@ -187,12 +192,17 @@ def read_manifest(directory: Path) -> tuple[dict[str, Any] | None, str]:
     return manifest, ""
 
 
-def hydra_config_sha256(directory: Path) -> str | None:
-    """The config hash of the ``.hydra/config.yaml`` beside a run's tables; None where there is none."""
+def config_text_sha256(text: str) -> str:
+    """sha256 of a YAML config's content as plain YAML reads it (unresolved: interpolations stay as written)."""
+    return canonical_sha256(yaml.safe_load(text))
+
+
+def saved_config_sha256(directory: Path) -> str | None:
+    """The hash of the ``.hydra/config.yaml`` beside a run's tables; None where there is none."""
     path = directory / HYDRA_CONFIG
     if not path.is_file():
         return None
-    return canonical_sha256(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
+    return config_text_sha256(path.read_text())
 
 
 def verify_run(directory: Path) -> RunState:
@@ -214,9 +224,9 @@ def verify_run(directory: Path) -> RunState:
         if actual != manifest["tables"][name]["sha256"]:
             return RunState(directory, manifest, f"{str(path)!r} is not the table its manifest names (sha256 differs)")
     try:
-        beside = hydra_config_sha256(directory)
+        beside = saved_config_sha256(directory)
     except Exception as err:
         return RunState(directory, manifest, f"{HYDRA_CONFIG} cannot be read: {' '.join(str(err).split())}")
-    if beside is not None and beside != manifest["config_sha256"]:
+    if beside is not None and beside != manifest.get("saved_config_sha256"):
         return RunState(directory, manifest, f"the tables are not from the config beside them ({HYDRA_CONFIG})")
     return RunState(directory, manifest)

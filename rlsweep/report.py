@@ -24,11 +24,11 @@ from rlsweep.check import console_summary
 from rlsweep.errors import TablesNotFoundError
 from rlsweep.exitcodes import ExitCode, guarded
 from rlsweep.gate import GateResult, RunTables, reported_only, run_gate
-from rlsweep.judgments import REPORTED_ONLY
-from rlsweep.layouts import CANONICAL_CELL
 from rlsweep.locks import locked
 from rlsweep.manifest import verify_run
+from rlsweep.spec import CANONICAL_CELL
 from rlsweep.tables import CHECKS_TABLE, read_metadata, write_tables
+from rlsweep.verdicts import REPORTED_ONLY, Judgment, as_expected
 
 PROG = "python -m rlsweep.report"
 REPORT_MARKDOWN = "report.md"
@@ -42,7 +42,6 @@ RED_COLUMNS = ["status", "profile", "tp", "judgment", "tensor", "lhs_cell", "rhs
 RED_COLUMNS += [FIRST_DIVERGENCE, "run_dir"]
 RED_WORDS = tuple(code.word for code in ExitCode if code != ExitCode.GREEN)
 RED_GROUPS = ["status", "profile", "tp", "judgment"]  # report.html folds the red table into one <details> each
-CHAIN_JUDGMENT = "chain_aggregates"  # one of rlsweep.judgments.RUN_JUDGMENTS
 NOT_RECORDED = "not recorded"
 ENVIRONMENT_FIELDS = [
     "device",
@@ -69,11 +68,11 @@ class Section:
 
 def red_verdicts(checks: pd.DataFrame) -> pd.DataFrame:
     """Verdicts not as expected (RED first), then failed verdicts that were declared expected red."""
-    unexpected = checks["passed"] != checks["expected_pass"]
+    unexpected = ~as_expected(checks["passed"], checks["expected_pass"])
     expected_red = ~checks["passed"] & ~checks["expected_pass"]
     chosen = checks[unexpected | expected_red]
     status = pd.Series(EXPECTED_RED, index=chosen.index)
-    status[chosen["passed"] != chosen["expected_pass"]] = RED
+    status[~as_expected(chosen["passed"], chosen["expected_pass"])] = RED
     status[chosen["passed"] & ~chosen["expected_pass"]] = RED_EXPECTED_RED
     first = [
         "" if pd.isna(sample) else f"({sample}, {position})"
@@ -147,7 +146,7 @@ def environments(result: GateResult, root: Path) -> pd.DataFrame:
 def chain_entry(row: Any) -> str:
     """One chain metric of one run: 'value / threshold', a failed one marked; an unthresholded one reported only."""
     entry = f"{row.value:.4g}" if pd.isna(row.threshold) else f"{row.value:.4g} / {row.threshold:.4g}"
-    if row.passed != row.expected_pass:
+    if not as_expected(row.passed, row.expected_pass):
         return f"{entry} {RED}"
     if not row.passed:
         return f"{entry} ({EXPECTED_RED})"
@@ -156,7 +155,9 @@ def chain_entry(row: Any) -> str:
 
 def chain_table(checks: pd.DataFrame, root: Path) -> pd.DataFrame:
     """The chain_aggregates verdicts pivoted: one row per metric (in the order judged), one column per run."""
-    rows = checks[checks["judgment"] == CHAIN_JUDGMENT].astype({analysis.RUN_DIR: str, "metric": str, "tensor": str})
+    rows = checks[checks["judgment"] == Judgment.CHAIN_AGGREGATES].astype(
+        {analysis.RUN_DIR: str, "metric": str, "tensor": str}
+    )
     if rows["tensor"].nunique() > 1:  # the same metric of two tensors: two rows
         rows = rows.assign(metric=rows["metric"] + " (" + rows["tensor"] + ")")
     run_dirs = relative(rows[analysis.RUN_DIR], root)
@@ -222,14 +223,14 @@ def build_sections(root: Path, result: GateResult, checks: pd.DataFrame) -> list
         Section(
             "Chain aggregates: what the mismatch does to an RL update",
             [
-                f"The {CHAIN_JUDGMENT} verdicts: each metric of the per-token dlogp of {CANONICAL_CELL} against the "
-                "float64 reference, per run (profile tp=N (run dir)). Each entry: value / threshold (the upper "
-                "limit; a signed metric also has a lower one, named in the verdict's detail); "
+                f"The {Judgment.CHAIN_AGGREGATES} verdicts: each metric of the per-token dlogp of {CANONICAL_CELL} "
+                "against the float64 reference, per run (profile tp=N (run dir)). Each entry: value / threshold "
+                "(the upper limit; a signed metric also has a lower one, named in the verdict's detail); "
                 f"{RED}: failed though expected to pass; ({EXPECTED_RED}): failed as declared; ({REPORTED_ONLY}): "
                 "the contract has no row for that metric."
             ]
             if len(chain)
-            else [f"No {CHAIN_JUDGMENT} verdict (provenance stopped every kernel)."],
+            else [f"No {Judgment.CHAIN_AGGREGATES} verdict (provenance stopped every kernel)."],
             chain if len(chain) else None,
         ),
         Section(
@@ -330,7 +331,7 @@ def write_report(root: Path, out: Path, result: GateResult) -> list[Path]:
     tokens = analysis.tokens_frame([(run.directory, run.tokens) for run in result.runs])
     checks = analysis.checks_frame([(run.directory, run.checks) for run in result.runs], [(root, result.sweep_checks)])
     accuracy_rows = checks[
-        (checks["judgment"] == "forward_accuracy")
+        (checks["judgment"] == Judgment.FORWARD_ACCURACY)
         & (checks["tensor"] == "logp")
         & (checks["metric"] == "max_abs_diff")
         & (checks["lhs_cell"] == CANONICAL_CELL)

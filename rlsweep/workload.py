@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 import kernels
-from rlsweep.config import WORKLOAD_SOURCES, ModelConfig, WorkloadConfig
-from rlsweep.errors import ConfigError, ReplayInputError
+from rlsweep.errors import ReplayInputError
+from rlsweep.spec import POSITION_BITS, ModelSpec, WorkloadSpec
 from rlsweep.synthetic import normal_matrix, uniform
 from rlsweep.tensor_files import TensorFile
 
-POSITION_BITS = 24  # counter key of a token: sample_id << POSITION_BITS | position
-MAX_SEQ_LEN = 1 << POSITION_BITS  # a longer sample's positions would spill into the next sample's keys
-MAX_HIDDEN_SCALE = 64.0  # logits of std 4 * 64 = 256 still sit far inside bf16's range
 REPLAY_TENSORS = ("hidden_states", "target_ids", "seq_lens")
 REPLAY_OPTIONAL = ("active_mask",)
 
@@ -74,7 +70,7 @@ class Workload:
 
 
 def build_workload(
-    config: WorkloadConfig, model: ModelConfig, weight: torch.Tensor, *, seed: int, dtype: torch.dtype
+    config: WorkloadSpec, model: ModelSpec, weight: torch.Tensor, *, seed: int, dtype: torch.dtype
 ) -> Workload:
     shape = workload_shape(config, model)  # every count checked before a tensor is made
     if config.source == "replay":
@@ -86,7 +82,7 @@ def token_keys(sample_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tenso
     return (sample_ids << POSITION_BITS) | positions
 
 
-def synthetic_workload(config: WorkloadConfig, weight: torch.Tensor, *, seed: int, dtype: torch.dtype) -> Workload:
+def synthetic_workload(config: WorkloadSpec, weight: torch.Tensor, *, seed: int, dtype: torch.dtype) -> Workload:
     """Hidden states from (seed, sample_id, position); completion targets sampled from the model itself."""
     sample_ids = torch.cat([torch.full((n,), s, dtype=torch.int64) for s, n in enumerate(config.seq_lens)])
     positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in config.seq_lens])
@@ -111,47 +107,20 @@ def sample_targets(hidden: torch.Tensor, weight: torch.Tensor, keys: torch.Tenso
     return picked.clamp_max(weight.shape[0] - 1)
 
 
-def workload_shape(config: WorkloadConfig, model: ModelConfig) -> WorkloadShape:
-    """The workload's token counts, checked: T >= 1 and at least one active token (a replay file: header only)."""
-    if config.source not in WORKLOAD_SOURCES:
-        raise ConfigError(f"workload.source={config.source!r} is not one of {', '.join(WORKLOAD_SOURCES)}")
+def workload_shape(config: WorkloadSpec, model: ModelSpec) -> WorkloadShape:
+    """The workload's token counts: from the spec's lengths, or from a replay file's header."""
     if config.source == "replay":
         return replay_shape(config, model)
-    check_lengths(config)
-    if not (math.isfinite(config.hidden_scale) and 0 < config.hidden_scale <= MAX_HIDDEN_SCALE):
-        raise ConfigError(f"workload.hidden_scale={config.hidden_scale!r} must be in (0, {MAX_HIDDEN_SCALE:g}]")
     return WorkloadShape(
         tuple(config.seq_lens), tuple(n - p for n, p in zip(config.seq_lens, config.prompt_lens, strict=True))
     )
 
 
-def check_lengths(config: WorkloadConfig) -> None:
-    seq, prompt = list(config.seq_lens), list(config.prompt_lens)
-    if not seq:
-        raise ConfigError(
-            f"workload {config.name!r} has no token (T = 0): workload.seq_lens is empty; give at least one sample, "
-            "e.g. workload.seq_lens=[16] workload.prompt_lens=[8]"
-        )
-    if len(seq) != len(prompt):
-        raise ConfigError(
-            f"workload {config.name!r}: seq_lens {seq} and prompt_lens {prompt} must have one entry per sample "
-            f"({len(seq)} vs {len(prompt)})"
-        )
-    for sample, (n, p) in enumerate(zip(seq, prompt, strict=True)):
-        if not 1 <= n <= MAX_SEQ_LEN or not 0 <= p < n:
-            raise ConfigError(
-                f"workload {config.name!r}: sample {sample} has seq_len={n}, prompt_len={p}; need "
-                f"1 <= seq_len <= {MAX_SEQ_LEN} and 0 <= prompt_len < seq_len (at least one active completion token)"
-            )
-
-
-def replay_file(config: WorkloadConfig) -> TensorFile:
-    if not config.path:
-        raise ConfigError("workload=replay needs workload.path (a local .safetensors file)")
+def replay_file(config: WorkloadSpec) -> TensorFile:
     return TensorFile(str(config.path), "replay file", "workload.path")
 
 
-def replay_shape(config: WorkloadConfig, model: ModelConfig) -> WorkloadShape:
+def replay_shape(config: WorkloadSpec, model: ModelSpec) -> WorkloadShape:
     """Every replay tensor's dtype and shape from the header; only ``seq_lens`` and ``active_mask`` are loaded."""
     file = replay_file(config)
     where = file.describe()
@@ -198,8 +167,8 @@ def replay_shape(config: WorkloadConfig, model: ModelConfig) -> WorkloadShape:
 
 
 def replay_workload(
-    config: WorkloadConfig,
-    model: ModelConfig,
+    config: WorkloadSpec,
+    model: ModelSpec,
     shape: WorkloadShape,
     *,
     device: torch.device,

@@ -8,14 +8,18 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from hydra import compose, initialize_config_module
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from safetensors.torch import save_file
 
-from rlsweep.config import register_configs
+from rlsweep.config import register_configs, run_spec
 from rlsweep.manifest import MANIFEST_FILE, identify, read_manifest, table_files
-from rlsweep.run import RunOutcome, execute
+from rlsweep.model import LmHead, build_lm_head
+from rlsweep.run import RunOutcome, execute, preflight
+from rlsweep.spec import RunSpec
 from rlsweep.tables import RUN_TABLES, RunLocation
+from rlsweep.workload import Workload, build_workload
 
 register_configs()
 
@@ -24,6 +28,12 @@ def compose_run(*overrides: str) -> DictConfig:
     """The run config exactly as ``python -m rlsweep <overrides>`` composes it."""
     with initialize_config_module("conf", version_base="1.3"):
         return compose("config", overrides=list(overrides))
+
+
+def build_inputs(spec: RunSpec) -> tuple[LmHead, Workload]:
+    """The head and the workload a run of ``spec`` computes, on the CPU."""
+    head = build_lm_head(spec.model, dtype=spec.profile.dtype, device=torch.device("cpu"))
+    return head, build_workload(spec.workload, spec.model, head.weight, seed=spec.seed, dtype=spec.profile.dtype)
 
 
 def write_replay(directory: Path, tensors: dict, hidden_size: int, vocab_size: int) -> list[str]:
@@ -40,10 +50,15 @@ def write_replay(directory: Path, tensors: dict, hidden_size: int, vocab_size: i
     ]
 
 
+def check_run(cfg: DictConfig) -> None:
+    """Everything a run checks before its first kernel: the RunSpec parse, then ``preflight``."""
+    preflight(run_spec(cfg))
+
+
 def execute_run(cfg: DictConfig, directory: Path) -> RunOutcome:
     """``execute`` of a single run (no lock, no manifest): the kernels, judgments and tables only."""
-    location = RunLocation.single(directory)
-    return execute(cfg, location, identify(OmegaConf.to_container(cfg, resolve=True)), standalone=True)
+    spec = run_spec(cfg)
+    return execute(spec, RunLocation.single(directory), identify(spec.config), standalone=True)
 
 
 def table_file(run_dir: Path, table: str) -> Path:

@@ -1,4 +1,5 @@
-"""Bad sizes, seeds, files and geometries are refused by ``validate`` with a typed error, before any allocation."""
+"""Bad sizes, seeds, files and geometries are refused by the RunSpec parse or ``preflight`` with a typed error,
+before any allocation."""
 
 from __future__ import annotations
 
@@ -9,34 +10,25 @@ import textwrap
 
 import pytest
 import torch
-from rlsweep_fixtures import compose_run, execute_run, run_rlsweep, tables_left, write_replay
+from rlsweep_fixtures import check_run, compose_run, execute_run, run_rlsweep, tables_left, write_replay
 from safetensors.torch import save_file
 
 from rlsweep import environment
+from rlsweep.config import run_spec
 from rlsweep.errors import ConfigError, ReplayInputError
 from rlsweep.execute import check_fits, peak_bytes
-from rlsweep.layouts import MAX_NEEDLE_ROWS, filler_rows, filler_rows_needed, largest_calls, plan_cells
-from rlsweep.model import MAX_HIDDEN_SIZE, MAX_VOCAB_SIZE, MAX_VOCAB_TILE
-from rlsweep.run import EXECUTION_DTYPES, validate
+from rlsweep.layouts import filler_rows_needed, largest_calls, plan_cells
+from rlsweep.spec import MAX_HIDDEN_SIZE, MAX_NEEDLE_ROWS, MAX_SEQ_LEN, MAX_VOCAB_SIZE, MAX_VOCAB_TILE
 from rlsweep.synthetic import SEED_LIMIT, counter_bits
-from rlsweep.workload import MAX_SEQ_LEN, Workload, WorkloadShape, workload_shape
+from rlsweep.workload import Workload, WorkloadShape, workload_shape
 
 HIDDEN, VOCAB, SEQ_LENS = 16, 700, [5, 7, 4]
 
 
 def footprint(cfg):
-    """``peak_bytes`` of a composed run, from the same config ``validate`` reads."""
-    profile = cfg.profile
-    return peak_bytes(
-        cfg.model,
-        cfg.layout,
-        workload_shape(cfg.workload, cfg.model),
-        dtype=EXECUTION_DTYPES[profile.execution_dtype],
-        vocab_tile=profile.vocab_tile,
-        tp=cfg.tp,
-        tp_mode=cfg.tp_mode,
-        synthetic_workload=cfg.workload.source == "synthetic",
-    )
+    """``peak_bytes`` of a composed run, from the RunSpec the run parses."""
+    spec = run_spec(cfg)
+    return peak_bytes(spec, workload_shape(spec.workload, spec.model))
 
 
 # --- workload: no token, no active token, positions that do not fit the counter key -----------------------
@@ -56,7 +48,7 @@ SYNTHETIC_WORKLOADS = {
 def test_synthetic_workload_without_tokens_is_refused(case):
     overrides, message = SYNTHETIC_WORKLOADS[case]
     with pytest.raises(ConfigError, match=re.escape(message)):
-        validate(compose_run(*overrides))
+        check_run(compose_run(*overrides))
 
 
 def replay_tensors(rows: int = sum(SEQ_LENS)) -> dict[str, torch.Tensor]:
@@ -78,14 +70,14 @@ def replay_overrides(directory, tensors: dict[str, torch.Tensor]) -> list[str]:
 def test_replay_without_tokens_is_refused(tmp_path):
     cfg = compose_run(*replay_overrides(tmp_path, replay_tensors(rows=0)))
     with pytest.raises(ReplayInputError, match=re.escape("hidden_states has no row (T = 0)")):
-        validate(cfg)
+        check_run(cfg)
 
 
 def test_replay_without_active_token_is_refused(tmp_path):
     tensors = replay_tensors() | {"active_mask": torch.zeros(sum(SEQ_LENS), dtype=torch.bool)}
     cfg = compose_run(*replay_overrides(tmp_path, tensors))
     with pytest.raises(ReplayInputError, match=f"marks none of the {sum(SEQ_LENS)} tokens active"):
-        validate(cfg)
+        check_run(cfg)
 
 
 # --- model=replay without its sizes -----------------------------------------------------------------------
@@ -93,7 +85,7 @@ def test_replay_without_active_token_is_refused(tmp_path):
 
 def test_replay_model_without_sizes_names_every_missing_key(tmp_path):
     with pytest.raises(ConfigError, match=re.escape("not set: model.hidden_size, model.vocab_size")):
-        validate(compose_run("model=replay"))
+        check_run(compose_run("model=replay"))
 
 
 # --- corrupt, truncated or wrong weight and replay files ----------------------------------------------------
@@ -151,7 +143,7 @@ def test_bad_file_names_its_path_and_what_is_wrong(tmp_path, files, case):
     spoil(tmp_path)
     path = tmp_path / ("head.safetensors" if files == "weight" else "capture.safetensors")
     with pytest.raises(ReplayInputError, match=re.escape(message)) as caught:
-        validate(compose_run(*overrides))
+        check_run(compose_run(*overrides))
     assert str(path) in str(caught.value)
 
 
@@ -171,11 +163,11 @@ def test_seeds_outside_the_range_alias_seeds_inside_it():
 @pytest.mark.parametrize("value", [-1, SEED_LIMIT, 2**64])
 def test_seed_that_would_alias_is_refused(key, value):
     with pytest.raises(ConfigError, match=re.escape(f"{key}={value} is outside") + ".*" + re.escape("[0, 2**56 - 1]")):
-        validate(compose_run("layout=smoke", f"{key}={value}"))
+        check_run(compose_run("layout=smoke", f"{key}={value}"))
 
 
 def test_largest_distinct_seed_is_accepted():
-    validate(compose_run("layout=smoke", f"seed={SEED_LIMIT - 1}", f"model.weights.seed={SEED_LIMIT - 1}"))
+    check_run(compose_run("layout=smoke", f"seed={SEED_LIMIT - 1}", f"model.weights.seed={SEED_LIMIT - 1}"))
 
 
 # --- sizes: typo bounds, then the memory estimate -----------------------------------------------------------
@@ -204,7 +196,7 @@ ABSURD_SIZES = {
 def test_absurd_size_is_refused_with_its_bound(case):
     overrides, message = ABSURD_SIZES[case]
     with pytest.raises(ConfigError, match=re.escape(message)):
-        validate(compose_run(*overrides))
+        check_run(compose_run(*overrides))
 
 
 # Inside every bound, but far above any machine: 2 TiB of bf16 weight alone.
@@ -263,20 +255,20 @@ def synthetic_active(seq_lens, prompt_lens) -> torch.Tensor:
 @pytest.mark.parametrize("layout", ["full", "smoke"])
 @pytest.mark.parametrize("active", ["synthetic", "replay mask"])
 def test_largest_calls_match_the_planned_cells(layout, active):
-    cfg = compose_run(f"layout={layout}", "layout.chunk_size=3")
-    seq_lens = list(cfg.workload.seq_lens)
+    spec = run_spec(compose_run(f"layout={layout}", "layout.chunk_size=3"))
+    seq_lens = list(spec.workload.seq_lens)
     if active == "synthetic":
-        mask = synthetic_active(seq_lens, cfg.workload.prompt_lens)
+        mask = synthetic_active(seq_lens, spec.workload.prompt_lens)
     else:  # a replay mask: gaps anywhere, and one sample with no active token
         mask = torch.arange(sum(seq_lens)) % 3 == 1
         mask[: seq_lens[0]] = False
     workload = fake_workload(seq_lens, mask)
     counts = [int(mask[workload.sample_rows(s)].sum()) for s in range(len(seq_lens))]
-    cells = plan_cells(cfg.layout, workload)
-    assert largest_calls(cfg.layout, WorkloadShape(tuple(seq_lens), tuple(counts))) == {
+    cells = plan_cells(spec.layout, workload)
+    assert largest_calls(spec.layout, WorkloadShape(tuple(seq_lens), tuple(counts))) == {
         cell.name: max(cell.call_rows) for cell in cells
     }
-    assert filler_rows(cfg.layout) == filler_rows_needed(cells)
+    assert spec.layout.filler_rows == filler_rows_needed(cells)
 
 
 MEASURE = textwrap.dedent(

@@ -4,25 +4,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rlsweep_fixtures import compose_run
+from rlsweep_fixtures import build_inputs, compose_run
 
 import kernels
-from rlsweep.layouts import CANONICAL_CELL, CELL_KINDS, DECODE_CELL, needle_cell_name, plan_cells, restore_logical_order
-from rlsweep.model import build_lm_head
-from rlsweep.run import EXECUTION_DTYPES
-from rlsweep.workload import build_workload
+from rlsweep.config import run_spec
+from rlsweep.layouts import plan_cells, restore_logical_order
+from rlsweep.spec import CANONICAL_CELL, CELL_KINDS, DECODE_CELL
 
 
 @pytest.fixture(scope="module")
 def cfg():
-    return compose_run("layout=full")
+    return run_spec(compose_run("layout=full"))
 
 
 @pytest.fixture(scope="module")
 def workload(cfg):
-    dtype = EXECUTION_DTYPES[cfg.profile.execution_dtype]
-    head = build_lm_head(cfg.model, dtype=dtype, device=torch.device("cpu"))
-    return build_workload(cfg.workload, cfg.model, head.weight, seed=cfg.seed, dtype=dtype)
+    return build_inputs(cfg)[1]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +30,7 @@ def cells(cfg, workload):
 def test_full_layout_covers_every_cell_kind(cfg, cells):
     assert set(cfg.layout.cells) == set(CELL_KINDS)
     expected = {kind for kind in CELL_KINDS if kind != "needle"}
-    expected |= {needle_cell_name(n.m, n.pos) for n in cfg.layout.needles}
+    expected |= {n.cell_name for n in cfg.layout.needles}
     assert set(cells) == expected
     assert next(iter(cells)) == CANONICAL_CELL
 
@@ -67,14 +64,11 @@ def test_decode_calls_shrink_as_samples_finish(cells, workload):
 def test_padded_and_needle_cells_have_the_configured_row_counts(cfg, cells, workload):
     assert cells["BN/pad_right"].call_rows == (len(workload.seq_lens) * max(workload.seq_lens),)
     for needle in cfg.layout.needles:
-        assert cells[needle_cell_name(needle.m, needle.pos)].call_rows == (needle.m + workload.num_tokens,)
+        assert cells[needle.cell_name].call_rows == (needle.m + workload.num_tokens,)
 
 
 def test_hidden_states_depend_only_on_seed_sample_and_position(cfg, workload):
-    shorter = compose_run("workload.seq_lens=[9,16]", "workload.prompt_lens=[8,8]")
-    dtype = EXECUTION_DTYPES[cfg.profile.execution_dtype]
-    head = build_lm_head(cfg.model, dtype=dtype, device=torch.device("cpu"))
-    other = build_workload(shorter.workload, shorter.model, head.weight, seed=cfg.seed, dtype=dtype)
+    other = build_inputs(run_spec(compose_run("workload.seq_lens=[9,16]", "workload.prompt_lens=[8,8]")))[1]
     for row in range(other.num_tokens):
         sample, position = int(other.sample_ids[row]), int(other.positions[row])
         logical = int(workload.sample_rows(sample)[position])

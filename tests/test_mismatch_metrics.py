@@ -15,7 +15,6 @@ from omegaconf import OmegaConf
 from rlsweep_fixtures import compose_run, execute_run, run_rlsweep, tables_left
 
 from rlsweep.analysis import load_checks
-from rlsweep.config import ExpectedVerdictConfig
 from rlsweep.contract import (
     REQUIRED_CHAIN_METRICS,
     ROUNDING_MODEL,
@@ -24,8 +23,10 @@ from rlsweep.contract import (
     load_contract,
 )
 from rlsweep.errors import ContractError
-from rlsweep.judgments import REPORTED_ONLY, Standard, apply_expected, chain_aggregates
+from rlsweep.judgments import Standard, apply_expected, chain_aggregates
 from rlsweep.mismatch import ALIAS_OF, BY_NAME, METRIC_NAMES, METRICS, REPORTED_NAMES, ActiveTokens
+from rlsweep.spec import ExpectedRed
+from rlsweep.verdicts import REPORTED_ONLY
 from rlsweep.workload import Workload
 
 SEQ_LENS = (5, 12, 3, 9, 7)  # unequal; sample 2 gets no active token, so it is no sequence of the metrics
@@ -188,7 +189,7 @@ def test_v1_reports_the_new_metrics_without_judging_them():
         assert verdict.passed and not verdict.judged and math.isnan(verdict.threshold)
         assert verdict.detail.startswith(f"{REPORTED_ONLY}: contract v1 has no row") and math.isfinite(verdict.value)
     assert not any(v.passed for v in rows.values() if v.judged)
-    declaration = ExpectedVerdictConfig(judgment="chain_aggregates", cells=["*"], reason="test")
+    declaration = ExpectedRed(judgment="chain_aggregates", cells=("*",), reason="test")
     declared = apply_expected(list(rows.values()), [declaration])
     assert all(v.as_expected for v in declared)  # a declaration never turns a reported-only row into a verdict
     assert {v.metric for v in declared if not v.expected_pass} == {*REQUIRED_CHAIN_METRICS, "k3_kl"}

@@ -19,9 +19,7 @@ from rlsweep_fixtures import multirun, table_file
 from rlsweep import analysis, environment, plots
 from rlsweep.exitcodes import ExitCode
 from rlsweep.gate import run_gate
-from rlsweep.judgments import JUDGMENTS, REPORTED_ONLY
 from rlsweep.report import (
-    CHAIN_JUDGMENT,
     ENVIRONMENT_FIELDS,
     PLOTS,
     RED,
@@ -35,6 +33,7 @@ from rlsweep.report import (
     red_verdicts,
 )
 from rlsweep.tables import CHECKS_TABLE
+from rlsweep.verdicts import REPORTED_ONLY, Judgment
 
 # One worker builds the shared small_sweep (conftest) once and runs every test that reads it.
 pytestmark = pytest.mark.xdist_group("small_sweep")
@@ -146,9 +145,8 @@ def test_the_device_names_what_ran_and_a_missing_gpu_as_missing(monkeypatch):
 
 
 def test_the_chain_section_has_every_chain_verdict_per_run_and_metric(small_sweep, report_dir):
-    assert CHAIN_JUDGMENT in JUDGMENTS
     checks = analysis.load_checks(small_sweep)
-    chain = checks[checks["judgment"] == CHAIN_JUDGMENT]
+    chain = checks[checks["judgment"] == Judgment.CHAIN_AGGREGATES]
     table = chain_table(checks, small_sweep).set_index("metric")
     assert list(table.index) == list(dict.fromkeys(chain["metric"].astype(str)))
     assert len(table.columns) == chain["run_dir"].nunique()
@@ -162,7 +160,7 @@ def test_the_chain_section_has_every_chain_verdict_per_run_and_metric(small_swee
 
 def test_a_chain_metric_without_threshold_is_reported_not_judged_unless_it_failed(small_sweep):
     checks = analysis.load_checks(small_sweep)
-    chain = checks[checks["judgment"] == CHAIN_JUDGMENT]
+    chain = checks[checks["judgment"] == Judgment.CHAIN_AGGREGATES]
     unjudged, failing, not_run = chain["metric"].iloc[0], chain.index[-1], chain.index[-2]
     unjudged_rows = chain.index[chain["metric"] == unjudged]
     checks.loc[unjudged_rows, "threshold"] = float("nan")

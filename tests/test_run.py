@@ -10,12 +10,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from rlsweep_fixtures import compose_run, run_rlsweep, table_file, tables_left
+from rlsweep_fixtures import build_inputs, compose_run, run_rlsweep, table_file, tables_left
 
-from rlsweep.layouts import CANONICAL_CELL, plan_cells
+from rlsweep.config import run_spec
+from rlsweep.layouts import plan_cells
 from rlsweep.manifest import verify_run
-from rlsweep.model import build_lm_head
-from rlsweep.run import EXECUTION_DTYPES
+from rlsweep.spec import CANONICAL_CELL
 from rlsweep.tables import (
     CHECKS_SCHEMA,
     CHECKS_TABLE,
@@ -24,17 +24,14 @@ from rlsweep.tables import (
     TOKENS_TABLE,
     read_metadata,
 )
-from rlsweep.workload import build_workload
 
 CONF = Path(str(resources.files("conf")))
 
 
 def expected_cells(*overrides: str) -> list[str]:
-    cfg = compose_run(*overrides)
-    dtype = EXECUTION_DTYPES[cfg.profile.execution_dtype]
-    head = build_lm_head(cfg.model, dtype=dtype, device=torch.device("cpu"))
-    workload = build_workload(cfg.workload, cfg.model, head.weight, seed=cfg.seed, dtype=dtype)
-    return [cell.name for cell in plan_cells(cfg.layout, workload)], workload.num_tokens
+    spec = run_spec(compose_run(*overrides))
+    workload = build_inputs(spec)[1]
+    return [cell.name for cell in plan_cells(spec.layout, workload)], workload.num_tokens
 
 
 def read(directory):

@@ -63,9 +63,9 @@ def test_expected_red_that_passes_turns_the_sweep_red(tmp_path):
 def test_a_crashing_job_leaves_the_others_and_exits_1(tmp_path):
     fault = (
         "import rlsweep.run\ncompute = rlsweep.run.compute\n"
-        "def crashing(cfg, *args, **kwargs):\n"
-        "    if cfg.tp == 2: raise RuntimeError('injected kernel crash')\n"
-        "    return compute(cfg, *args, **kwargs)\n"
+        "def crashing(spec, *args, **kwargs):\n"
+        "    if spec.tp == 2: raise RuntimeError('injected kernel crash')\n"
+        "    return compute(spec, *args, **kwargs)\n"
         "rlsweep.run.compute = crashing"
     )
     done = with_fault(fault, "rlsweep", f"hydra.sweep.dir={tmp_path}", "profile=cpu_bf16", "layout=smoke", "tp=1,2,4",

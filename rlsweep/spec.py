@@ -1,0 +1,399 @@
+"""The typed run: what one run computes and judges, parsed and checked once from the resolved config.
+
+``parse_run_spec`` is the one way in (``rlsweep.config.run_spec`` calls it with what Hydra composed). Every
+part checks itself when built, and ``RunSpec`` checks what needs several parts (tp against the vocab, the
+contract's rows against the cells), so code below takes a ``RunSpec`` and trusts it. What needs more than
+the config (a file's header, the machine's memory) is checked by ``rlsweep.run.preflight``. docs/design.md
+describes the flow; docs/index.md the config groups these mirror.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+import kernels
+from rlsweep.contract import DETERMINISM_SCOPES, Contract, RowKey, contract_from_mapping, op_class
+from rlsweep.errors import ConfigError
+from rlsweep.synthetic import check_seed
+from rlsweep.verdicts import DECLARABLE, FORWARD_TENSORS, Judgment
+
+# Bounds that only reject typos (real heads: hidden 2**11-2**14, vocab 3e4-3e5, tiles 256-1024); whether a head
+# that passes them fits is the memory estimate's call (rlsweep.execute.peak_bytes).
+MAX_HIDDEN_SIZE = 1 << 16
+MAX_VOCAB_SIZE = 1 << 24
+MAX_VOCAB_TILE = 1 << 14
+MAX_TP = 256  # the most ranks one run emulates or launches
+POSITION_BITS = 24  # counter key of a token: sample_id << POSITION_BITS | position
+MAX_SEQ_LEN = 1 << POSITION_BITS  # a longer sample's positions would spill into the next sample's keys
+MAX_HIDDEN_SCALE = 64.0  # logits of std 4 * 64 = 256 still sit far inside bf16's range
+MAX_NEEDLE_ROWS = 1 << 24  # filler rows of one needle call: only rejects typos, the memory estimate decides the rest
+WEIGHT_SOURCES = ("synthetic", "file")
+WORKLOAD_SOURCES = ("synthetic", "replay")
+EXECUTION_DTYPES = {kernels.dtype_name(dtype): dtype for dtype in kernels.EXECUTION_DTYPES}
+MERGE_ORDERS = tuple(order.value for order in kernels.MergeOrder)
+# Role groups of the contract's comparison_roles beside the judgments' own (docs/contract.md).
+DECODE_PARITY_ROLES = "decode_parity"  # the decode cell against the canonical cell: rollout vs training
+CHAIN_ROLES = "chain_logprob_aggregates"
+CANONICAL_CELL = "BN/packed"
+DECODE_CELL = "decode"
+NEEDLE = "needle"  # a cell kind that names one cell per layout.needles entry
+CELL_KINDS = (
+    CANONICAL_CELL,
+    "BN/pad_right",
+    "BN/pad_left",
+    "BN/permuted",
+    "BN/chunked",
+    "B1/full",
+    "B1/chunked",
+    DECODE_CELL,
+    NEEDLE,
+)
+
+
+def choice(where: str, value: Any, valid: Sequence[str]) -> None:
+    if value not in valid:
+        raise ConfigError(f"{where}={value!r} is not one of {', '.join(valid)}")
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """Where the lm_head weight comes from: counter-based synthetic values or a safetensors file."""
+
+    kind: str = "synthetic"
+    seed: int = 0  # synthetic: the weight stream's seed
+    logit_std: float = 4.0  # synthetic: std of logits for unit-std hidden states
+    path: str | None = None  # file: a local safetensors file
+    tensor: str = "lm_head.weight"  # file: the head's tensor name
+
+    def __post_init__(self) -> None:
+        choice("model.weights.kind", self.kind, WEIGHT_SOURCES)
+        check_seed(self.seed, "model.weights.seed")
+        if self.kind == "file" and not self.path:
+            raise ConfigError("model.weights.kind=file needs model.weights.path (a local .safetensors file)")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The pinned identity of the lm_head under test."""
+
+    name: str
+    hidden_size: int
+    vocab_size: int
+    padded_vocab_size: int | None = None  # the checkpoint's padded embedding rows, if it pads
+    tie_word_embeddings: bool = False
+    weights: WeightSource = field(default_factory=WeightSource)
+    weight_sha256: str | None = None  # pin: a different weight hash is a red verdict
+
+    def __post_init__(self) -> None:
+        for key, limit in (("hidden_size", MAX_HIDDEN_SIZE), ("vocab_size", MAX_VOCAB_SIZE)):
+            value = getattr(self, key)
+            if not 1 <= value <= limit:
+                raise ConfigError(f"model.{key}={value!r} is outside [1, {limit}] (model {self.name!r})")
+        padded = self.padded_vocab_size
+        if padded is not None and not self.vocab_size <= padded <= MAX_VOCAB_SIZE:
+            raise ConfigError(
+                f"model.padded_vocab_size={padded!r} is outside [vocab_size={self.vocab_size}, {MAX_VOCAB_SIZE}]"
+            )
+
+
+@dataclass(frozen=True)
+class ExpectedRed:
+    """Verdict rows expected to be red (strict: one that passes is itself red); docs/sweeps.md."""
+
+    judgment: str
+    reason: str
+    profiles: tuple[str, ...] = ("*",)  # fnmatch patterns over profile names
+    tp: tuple[int, ...] = ()  # the tp degrees it applies to; empty: every tp
+    cells: tuple[str, ...] = ("*",)  # fnmatch patterns over cell names
+    tensors: tuple[str, ...] = ("*",)
+
+    def __post_init__(self) -> None:
+        choice("expected_red judgment", self.judgment, DECLARABLE)
+
+    def applies(self, profile: str, tp: int) -> bool:
+        """Whether its profile patterns and tp list select a run of ``profile`` at ``tp``."""
+        return any(fnmatch.fnmatchcase(profile, p) for p in self.profiles) and (not self.tp or tp in self.tp)
+
+    def declares(self, judgment: str, cell: str, tensor: str) -> bool:
+        """Whether it covers a verdict row: its judgment, and a cell and tensor among its patterns."""
+        return (
+            self.judgment == judgment
+            and any(fnmatch.fnmatchcase(cell, pattern) for pattern in self.cells)
+            and any(fnmatch.fnmatchcase(tensor, pattern) for pattern in self.tensors)
+        )
+
+    def describe(self) -> str:
+        tp = f" tp={list(self.tp)}" if self.tp else ""
+        return (f"expected_red {{judgment: {self.judgment}, profiles: {list(self.profiles)}{tp}, "
+                f"cells: {list(self.cells)}, tensors: {list(self.tensors)}}} ({self.reason})")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ProfileSpec:
+    """A backend on a device: dtypes, tile, determinism scope and the op nodes that must run on it."""
+
+    name: str
+    backend_family: str  # a registered kernels backend id
+    device: str = "cpu"
+    execution_dtype: str = "bfloat16"
+    logits_dtype: str | None = None  # where the logits are rounded (the op class); None: the execution dtype
+    vocab_tile: int = 256
+    determinism_scope: str = "fixed_topology"
+    merge_order: str = "rank_shard"  # how the TP partials are merged
+    required_nodes: Mapping[str, str] = field(default_factory=dict)  # op node -> backend id
+    backend_module: str | None = None  # a module to import first: it registers backend_family (docs/extending.md)
+    expected_red: tuple[ExpectedRed, ...] = ()
+
+    def __post_init__(self) -> None:
+        where = f"profile {self.name!r}: "
+        choice(f"{where}device", self.device, kernels.PLATFORMS)
+        choice(f"{where}execution_dtype", self.execution_dtype, tuple(EXECUTION_DTYPES))
+        choice(f"{where}logits_dtype", self.logits_name, tuple(EXECUTION_DTYPES))
+        choice(f"{where}determinism_scope", self.determinism_scope, DETERMINISM_SCOPES)
+        choice(f"{where}merge_order", self.merge_order, MERGE_ORDERS)
+        unknown = sorted(set(self.required_nodes) - set(kernels.OP_NODES))
+        if unknown or not self.required_nodes:
+            raise ConfigError(
+                f"{where}required_nodes {dict(self.required_nodes)} must name a backend for op nodes among "
+                f"{list(kernels.OP_NODES)}"
+            )
+        if self.vocab_tile > MAX_VOCAB_TILE:
+            raise ConfigError(
+                f"profile.vocab_tile={self.vocab_tile!r} is above {MAX_VOCAB_TILE} "
+                f"(a power of two in [16, {MAX_VOCAB_TILE}])"
+            )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return EXECUTION_DTYPES[self.execution_dtype]
+
+    @property
+    def logits_name(self) -> str:
+        return self.logits_dtype or self.execution_dtype
+
+    @property
+    def op_class(self) -> str:
+        """Contract rows are keyed by where the logits are rounded (docs/contract.md)."""
+        return op_class(self.execution_dtype, self.logits_dtype)
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """The logical samples: synthetic (seq/prompt lengths) or replayed from a safetensors file."""
+
+    name: str
+    source: str = "synthetic"
+    seq_lens: tuple[int, ...] = ()
+    prompt_lens: tuple[int, ...] = ()
+    hidden_scale: float = 1.0  # synthetic: std of the hidden states
+    path: str | None = None  # replay: hidden_states, target_ids, seq_lens, optional active_mask
+
+    def __post_init__(self) -> None:
+        choice("workload.source", self.source, WORKLOAD_SOURCES)
+        if self.source == "replay":
+            if not self.path:
+                raise ConfigError("workload=replay needs workload.path (a local .safetensors file)")
+            return
+        self.check_lengths()
+        if not (0 < self.hidden_scale <= MAX_HIDDEN_SCALE):  # NaN fails both comparisons
+            raise ConfigError(f"workload.hidden_scale={self.hidden_scale!r} must be in (0, {MAX_HIDDEN_SCALE:g}]")
+
+    def check_lengths(self) -> None:
+        seq, prompt = list(self.seq_lens), list(self.prompt_lens)
+        if not seq:
+            raise ConfigError(
+                f"workload {self.name!r} has no token (T = 0): workload.seq_lens is empty; give at least one "
+                "sample, e.g. workload.seq_lens=[16] workload.prompt_lens=[8]"
+            )
+        if len(seq) != len(prompt):
+            raise ConfigError(
+                f"workload {self.name!r}: seq_lens {seq} and prompt_lens {prompt} must have one entry per sample "
+                f"({len(seq)} vs {len(prompt)})"
+            )
+        for sample, (n, p) in enumerate(zip(seq, prompt, strict=True)):
+            if not 1 <= n <= MAX_SEQ_LEN or not 0 <= p < n:
+                raise ConfigError(
+                    f"workload {self.name!r}: sample {sample} has seq_len={n}, prompt_len={p}; need 1 <= seq_len "
+                    f"<= {MAX_SEQ_LEN} and 0 <= prompt_len < seq_len (at least one active completion token)"
+                )
+
+
+@dataclass(frozen=True)
+class Needle:
+    """A needle cell: the packed logical rows at row ``pos`` of a call with ``m`` unrelated filler rows."""
+
+    m: int
+    pos: int
+
+    @property
+    def cell_name(self) -> str:
+        return f"needle/M={self.m}/pos={self.pos}"
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    """Which layout cells one run computes; the first is the canonical cell."""
+
+    name: str
+    cells: tuple[str, ...] = ()  # cell kinds, CELL_KINDS
+    chunk_size: int = 5
+    needles: tuple[Needle, ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = [kind for kind in self.cells if kind not in CELL_KINDS]
+        if unknown:
+            raise ConfigError(f"layout {self.name!r}: unknown cell kinds {unknown}; valid: {', '.join(CELL_KINDS)}")
+        if not self.cells or self.cells[0] != CANONICAL_CELL:
+            raise ConfigError(
+                f"layout {self.name!r}: the first cell must be the canonical {CANONICAL_CELL!r}, got {list(self.cells)}"
+            )
+        if self.chunk_size < 1:
+            raise ConfigError(f"layout.chunk_size must be >= 1, got {self.chunk_size!r} (valid: 1 to {MAX_SEQ_LEN})")
+        if self.chunk_size > MAX_SEQ_LEN:
+            raise ConfigError(
+                f"layout.chunk_size must be at most {MAX_SEQ_LEN} (the longest sample), got {self.chunk_size!r}"
+            )
+        if NEEDLE in self.cells and not self.needles:
+            raise ConfigError(f"layout {self.name!r} lists 'needle' cells but layout.needles is empty")
+        for needle in self.needles:
+            if not 1 <= needle.m <= MAX_NEEDLE_ROWS or not 0 <= needle.pos <= needle.m:
+                raise ConfigError(
+                    f"layout.needles entry m={needle.m!r} pos={needle.pos!r}: need 1 <= m <= {MAX_NEEDLE_ROWS} "
+                    "and 0 <= pos <= m"
+                )
+        names = self.cell_names
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ConfigError(f"layout {self.name!r}: cells {repeated} appear more than once; each must be unique")
+
+    @property
+    def cell_names(self) -> list[str]:
+        """The names of the cells this layout computes, canonical first."""
+        return [
+            name
+            for kind in self.cells
+            for name in ([needle.cell_name for needle in self.needles] if kind == NEEDLE else [kind])
+        ]
+
+    @property
+    def filler_rows(self) -> int:
+        """Unrelated rows the needle cells take, at most."""
+        return max((needle.m for needle in self.needles), default=0) if NEEDLE in self.cells else 0
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run, typed and checked: its parts, the contract it is judged by and the vocab sharding it runs."""
+
+    model: ModelSpec
+    profile: ProfileSpec
+    workload: WorkloadSpec
+    layout: LayoutSpec
+    contract: Contract
+    sharding: kernels.ShardingSpec  # the whole vocab over every rank, as every kernel call of the run splits it
+    tp_mode: str = "emulated"
+    seed: int = 0
+    expected_red: tuple[ExpectedRed, ...] = ()  # a sweep config's declarations
+    tables_dir: str | None = None
+    config: Mapping[str, Any] = field(default_factory=dict)  # the resolved config it was parsed from
+
+    def __post_init__(self) -> None:
+        choice("tp_mode", self.tp_mode, kernels.TP_MODES)
+        check_seed(self.seed, "seed")
+        if self.profile.backend_family not in kernels.BACKENDS or self.profile.backend_family == "reference":
+            families = sorted(set(kernels.BACKENDS) - {"reference"})
+            raise ConfigError(
+                f"profile {self.profile.name!r}: backend_family={self.profile.backend_family!r} is not one of "
+                f"{families}"
+                + ("" if self.profile.backend_module else " (a backend of your own: see profile.backend_module)")
+            )
+        self.contract.require(*self.contract_needs())
+
+    @property
+    def tp(self) -> int:
+        return self.sharding.world_size
+
+    def contract_needs(self) -> tuple[list[RowKey], list[str], list[str]]:
+        """(tolerance rows, role groups, chain dtypes) that this run and the sweeps it joins will judge."""
+        cells, dtype, op = self.layout.cell_names, self.profile.execution_dtype, self.profile.op_class
+        judgments = [Judgment.FORWARD_ACCURACY, Judgment.BACKEND_PARITY]
+        judgments += [Judgment.FORWARD_INVARIANCE] if len(cells) > 1 else []
+        rows = [(judgment, "", tensor, dtype, op) for judgment in judgments for tensor in FORWARD_TENSORS]
+        rows += [(Judgment.TP_INVARIANCE, self.profile.determinism_scope, t, dtype, op) for t in FORWARD_TENSORS]
+        roles = [*judgments, Judgment.TP_INVARIANCE, CHAIN_ROLES]
+        roles += [DECODE_PARITY_ROLES] if DECODE_CELL in cells[1:] else []
+        return rows, roles, [dtype]
+
+    @property
+    def declarations(self) -> tuple[ExpectedRed, ...]:
+        """Every expected-red declaration the run carries: its profile's, then the sweep's."""
+        return (*self.profile.expected_red, *self.expected_red)
+
+    @property
+    def expectations(self) -> list[ExpectedRed]:
+        """The declarations that select this run."""
+        return [d for d in self.declarations if d.applies(self.profile.name, self.tp)]
+
+
+def parse_run_spec(config: Mapping[str, Any]) -> RunSpec:
+    """The RunSpec of a resolved config (plain mappings and lists, as Hydra composed it against its schema)."""
+    profile = dict(config["profile"])
+    if profile.get("backend_module"):
+        import_backend(profile["name"], profile["backend_module"])
+    tp = config.get("tp", 1)
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"tp must be an integer >= 1, got {tp!r}")
+    if tp > MAX_TP:
+        raise ConfigError(f"tp={tp} is above {MAX_TP}, the largest tp rlsweep runs; use 1 <= tp <= {MAX_TP}")
+    model = build(ModelSpec, config["model"], weights=build(WeightSource, config["model"].get("weights", {})))
+    profile_spec = build(ProfileSpec, profile, expected_red=expected_reds(profile.get("expected_red", ())))
+    # Every shard a run of whole tiles: ranks past the real vocab own padding only, which merges as the identity.
+    sharding = kernels.ShardingSpec.even(model.vocab_size, profile_spec.vocab_tile, tp)
+    contract_document = config["contract"]
+    return build(
+        RunSpec,
+        config,
+        model=model,
+        profile=profile_spec,
+        workload=build(WorkloadSpec, config["workload"]),
+        layout=build(
+            LayoutSpec, config["layout"], needles=tuple(build(Needle, n) for n in config["layout"]["needles"])
+        ),
+        contract=contract_from_mapping(contract_document, source=f"contract {contract_document.get('version')}"),
+        sharding=sharding,
+        expected_red=expected_reds(config.get("expected_red", ())),
+        config=config,
+    )
+
+
+def expected_reds(entries: Sequence[Mapping[str, Any]]) -> tuple[ExpectedRed, ...]:
+    return tuple(build(ExpectedRed, entry) for entry in entries)
+
+
+def declarations_of(config: Mapping[str, Any]) -> tuple[ExpectedRed, ...]:
+    """The expected-red declarations recorded in a run's resolved config (its profile's, then the sweep's)."""
+    return (*expected_reds(config["profile"].get("expected_red", ())), *expected_reds(config.get("expected_red", ())))
+
+
+def build(cls: type, values: Mapping[str, Any], **parsed: Any) -> Any:
+    """``cls`` from the mapping's keys that are its fields; lists become tuples; ``parsed`` overrides keys."""
+    names = [f.name for f in fields(cls)]
+    kwargs = {name: tuple(v) if isinstance(v, list) else v for name, v in values.items() if name in names}
+    return cls(**(kwargs | parsed))
+
+
+def import_backend(profile: str, module: str) -> None:
+    """Import the module that registers a profile's backend; any failure is a config error naming it."""
+    try:
+        importlib.import_module(module)
+    except Exception as err:
+        raise ConfigError(
+            f"profile {profile!r}: backend_module={module!r} cannot be imported ({type(err).__name__}: {err}); "
+            "it must be importable from this Python (on sys.path or PYTHONPATH)"
+        ) from err

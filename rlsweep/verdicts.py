@@ -1,0 +1,94 @@
+"""The vocabulary of checks.parquet: judgment and tensor names, the verdict row, and "as expected" (docs/tables.md).
+
+Every module that writes, counts or reads verdicts takes its names and its rule from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+
+class Judgment(StrEnum):
+    """The ``judgment`` column; docs/index.md says what each judges."""
+
+    FORWARD_ACCURACY = "forward_accuracy"
+    FORWARD_INVARIANCE = "forward_invariance"
+    CHAIN_AGGREGATES = "chain_aggregates"
+    SMOKE = "smoke"
+    PROVENANCE = "provenance"
+    CONTRACT = "contract"
+    TP_INVARIANCE = "tp_invariance"
+    BACKEND_PARITY = "backend_parity"
+    GRADIENT_ACCURACY = "gradient_accuracy"
+    GRADIENT_INVARIANCE = "gradient_invariance"
+    EXPECTED_RED = "expected_red"  # a row about a declaration that matched nothing
+
+
+class Tensor(StrEnum):
+    """The ``tensor`` column of kernel verdicts (contract rows are keyed by these too)."""
+
+    LOGP = "logp"
+    LSE = "lse"
+    GRAD_HIDDEN = "grad_hidden"
+    GRAD_WEIGHT = "grad_weight"
+
+
+FORWARD_TENSORS = (Tensor.LOGP, Tensor.LSE)
+GRADIENT_TENSORS = (Tensor.GRAD_HIDDEN, Tensor.GRAD_WEIGHT)
+RUN_JUDGMENTS = (
+    Judgment.FORWARD_ACCURACY,
+    Judgment.FORWARD_INVARIANCE,
+    Judgment.CHAIN_AGGREGATES,
+    Judgment.SMOKE,
+    Judgment.PROVENANCE,
+    Judgment.CONTRACT,
+)
+SWEEP_JUDGMENTS = (Judgment.TP_INVARIANCE, Judgment.BACKEND_PARITY)
+DECLARABLE = RUN_JUDGMENTS + SWEEP_JUDGMENTS  # what an expected_red declaration may name
+NO_CELL = ""  # lhs_cell/rhs_cell of verdicts that are not about a cell (contract, weight pin)
+# The detail's start of a chain row the contract has no row for: threshold NaN, passed and expected_pass true.
+REPORTED_ONLY = "reported, not judged"
+
+
+def as_expected(passed: Any, expected_pass: Any) -> Any:
+    """Whether a verdict came out as declared: one row (bools) or a column of rows (pandas Series) alike.
+
+    A row that passes where it was declared red is as wrong as one that fails where it should pass.
+    """
+    return passed == expected_pass
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One row of checks.parquet without the run columns."""
+
+    judgment: str
+    tensor: str
+    lhs_role: str
+    rhs_role: str
+    lhs_cell: str
+    rhs_cell: str
+    metric: str
+    value: float
+    threshold: float
+    passed: bool
+    expected_pass: bool = True
+    first_sample_id: int | None = None
+    first_position: int | None = None
+    detail: str = ""
+    judged: bool = True  # False: a reported-only row (REPORTED_ONLY), which no declaration can make expected red
+
+    @property
+    def as_expected(self) -> bool:
+        return bool(as_expected(self.passed, self.expected_pass))
+
+    @property
+    def expectation(self) -> str:
+        return expectation(self.expected_pass)
+
+
+def expectation(expected_pass: bool) -> str:
+    """How a listing of verdicts not as expected says what was expected of one."""
+    return "expected pass" if expected_pass else "expected red, passed"

@@ -1,0 +1,62 @@
+"""A backend of one's own is one module plus one profile YAML (docs/extending.md), run end to end."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from rlsweep.exitcodes import ExitCode
+
+TESTS = Path(__file__).parent
+TOY_CONF = TESTS / "toy_conf"
+
+
+def rlsweep(directory: Path, *overrides: str, config_dir: Path = TOY_CONF) -> subprocess.CompletedProcess:
+    """``python -m rlsweep --config-dir <config_dir> ... --multirun`` with tests/ on the import path."""
+    command = [sys.executable, "-m", "rlsweep", "--config-dir", str(config_dir), f"hydra.sweep.dir={directory}",
+               *overrides, "--multirun"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=TESTS.parent)
+
+
+@pytest.mark.xdist_group("extending")
+def test_a_toy_backend_from_a_test_module_runs_and_is_judged_end_to_end(tmp_path):
+    done = rlsweep(tmp_path, "profile=toy_cpu", "layout=smoke", "tp=1,3")
+    assert done.returncode == ExitCode.GREEN, done.stdout + done.stderr
+    checks = pd.read_parquet(tmp_path / "checks")
+    assert set(checks["profile"]) == {"toy_cpu"} and set(checks["backend_family"]) == {"toy"}
+    provenance = checks[checks["judgment"] == "provenance"]
+    assert provenance["passed"].all() and provenance["detail"].str.contains("'toy'").any()
+    sweep = pd.read_parquet(tmp_path / "sweep_checks.parquet")
+    tp_rows = sweep[sweep["judgment"] == "tp_invariance"]
+    assert len(tp_rows) and (tp_rows["metric"] == "mismatched_tokens").all() and (tp_rows["value"] == 0).all()
+
+
+def write_profile(config_dir: Path, **fields: str) -> None:
+    (config_dir / "profile").mkdir(parents=True, exist_ok=True)
+    profile = (TOY_CONF / "profile" / "toy_cpu.yaml").read_text()
+    for key, value in fields.items():
+        profile = "\n".join(f"{key}: {value}" if line.startswith(f"{key}:") else line for line in profile.splitlines())
+    (config_dir / "profile" / "toy_cpu.yaml").write_text(profile + "\n")
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"backend_module": "no_such_backend_module"}, "backend_module='no_such_backend_module' cannot be imported"),
+        ({"backend_family": "toy_typo"}, "backend_family='toy_typo' is not one of"),
+    ],
+    ids=["module not importable", "module registers another id"],
+)
+def test_a_profile_whose_backend_cannot_be_found_stops_before_any_job(tmp_path, fields, message):
+    write_profile(tmp_path / "conf", **fields)
+    done = rlsweep(tmp_path / "sweep", "profile=toy_cpu", "layout=smoke", "tp=1,2", config_dir=tmp_path / "conf")
+    assert done.returncode == ExitCode.ERROR, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "job #0" in lines[0], done.stderr
+    assert not (tmp_path / "sweep").exists()
