@@ -201,7 +201,7 @@ def discover(root: Path) -> tuple[list[Path], list[str], list[str]]:
                 complete.append(dirs[0])
             else:
                 incomplete.append(f"{label} in {dirs[0]}: {state.reason}")
-        notes += [f"{d}: not a job of {sweep_dir / MULTIRUN_FILE}; not judged" for d in members if d not in matched]
+        notes += [f"{d}: not a job of {sweep_dir / JOBS_FILE}; not judged" for d in members if d not in matched]
     for run_dir in sorted(candidates - claimed):
         state = verify_run(run_dir)
         if state.complete:
