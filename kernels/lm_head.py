@@ -13,11 +13,12 @@ import torch
 from kernels.backend import get_backend
 from kernels.contract import TP_MODES
 from kernels.distributed import run_distributed
-from kernels.errors import KernelInputError, ShapeMismatchError
+from kernels.errors import KernelInputError, NonFiniteOutputError, ShapeMismatchError
 from kernels.provenance import NodeProvenance, call_node
 from kernels.ranks import LogprobResult, check_vocab_tile, finish, rank_forward, rank_logprob, require_finite
 from kernels.sharding import ShardingSpec
 from kernels.validation import (
+    check_finite,
     check_lm_head_inputs,
     check_logits_inputs,
     check_matmul_inputs,
@@ -39,13 +40,20 @@ def logprob(
 ) -> LogprobResult:
     """logits[T, V] + targets[T] -> fp32 logp[T] and lse[T] (TP=1)."""
     impl = get_backend(backend)
-    check_logits_inputs(logits, targets)
+    in_kernel = getattr(impl, "checks_finite_logits", False)  # the kernel poisons its result instead of a scan
+    check_logits_inputs(logits, targets, values=not in_kernel)
     vocab = logits.shape[1]
     check_target_range(targets, vocab)
     sharding = ShardingSpec.even(vocab, vocab_tile, 1)
     check_vocab_tile(impl, vocab_tile, logits.device)
     ranks = [rank_logprob(impl, logits, targets, sharding, matmul_provenance=None)]
-    return require_finite(finish(impl, targets, sharding, ranks, tp_mode="emulated"), logits.dtype)
+    result = finish(impl, targets, sharding, ranks, tp_mode="emulated")
+    try:
+        return require_finite(result, logits.dtype)
+    except NonFiniteOutputError:
+        if in_kernel:
+            check_finite("logits", logits)  # a non-finite input is named as one, as the up-front scan would
+        raise
 
 
 def lm_head_logprob(

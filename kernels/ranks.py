@@ -7,7 +7,7 @@ processes (``tp_mode="distributed"``); this module imports neither (docs/kernels
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -38,7 +38,7 @@ class LogprobResult:
 class RankOutput:
     """What one rank computes before any communication."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None  # None: a fused backend never materializes them
     partials: ShardPartials | None  # None: the backend reduces the full vocab itself (TP=1, full_vocab_logprob/_lse)
     matmul: NodeProvenance | None
     logprob: NodeProvenance | None
@@ -75,8 +75,12 @@ def require_finite(result: LogprobResult, execution_dtype: torch.dtype) -> Logpr
 def rank_forward(
     impl: LogprobBackend, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, sharding: ShardingSpec
 ) -> RankOutput:
-    """One rank's work: its shard's logits, then its partials."""
+    """One rank's work: its shard's logits, then its partials (at once, where the backend fuses them)."""
     lo, hi = sharding.real_shard
+    if hasattr(impl, "fused_partials"):
+        owned, local_targets = shard_targets(targets, sharding)
+        partials, prov = call_node(impl.fused_partials, hidden, weight[lo:hi], local_targets, owned, sharding)
+        return RankOutput(None, partials, replace(prov, node="matmul"), prov)  # one kernel ran both nodes
     logits, matmul_prov = call_node(impl.matmul, hidden, weight[lo:hi])
     return rank_logprob(impl, logits, targets, sharding, matmul_provenance=matmul_prov)
 
@@ -91,11 +95,16 @@ def rank_logprob(
 ) -> RankOutput:
     if sharding.world_size == 1 and hasattr(impl, "full_vocab_logprob"):
         return RankOutput(shard_logits, None, matmul_provenance, None)
-    lo, hi = sharding.shard
-    owned = (targets >= lo) & (targets < hi)
-    local_targets = torch.where(owned, targets - lo, torch.zeros_like(targets))
+    owned, local_targets = shard_targets(targets, sharding)
     partials, prov = call_node(impl.shard_partials, shard_logits, local_targets, owned, sharding)
     return RankOutput(shard_logits, partials, matmul_provenance, prov)
+
+
+def shard_targets(targets: torch.Tensor, sharding: ShardingSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(owned [T]: the target falls in this rank's shard, its shard-local column [T], 0 where not owned)."""
+    lo, hi = sharding.shard
+    owned = (targets >= lo) & (targets < hi)
+    return owned, torch.where(owned, targets - lo, torch.zeros_like(targets))
 
 
 def finish(

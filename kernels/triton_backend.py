@@ -37,7 +37,17 @@ CUDA_TILING = {
     torch.float32: MatmulTiling(128, 64, 32, 8, 8, 3),
 }
 INTERPRETER_TILING = MatmulTiling(64, 256, 64, 8, 4, 1)  # 64*64*256 products: under the 2**20 block cap
+# The fused head's tiling: its tile of vocab columns is the contract's vocab_tile, so only the rows and the K
+# step are chosen here, per device kind and dtype, never from M or N (docs/kernels.md, "The fused head").
+FUSED_TILING = {
+    torch.bfloat16: MatmulTiling(128, 0, 64, 8, 8, 3),
+    torch.float32: MatmulTiling(64, 0, 32, 8, 8, 3),
+}
+FUSED_MAX_TILE = 256  # compiled: a 128 x 256 fp32 accumulator is what one program's registers hold
+INTERPRETER_FUSED_ROWS = 64
+INTERPRETER_BLOCK_NUMEL = 1 << 20  # the interpreter's broadcast product is rows x K step x tile
 PARTIAL_ROWS = 4  # rows per program of the tile-partials kernel (compiled)
+PARTIAL_TILES = 8  # tiles per program of the tile-partials kernel: fewer, longer programs; no effect on the bits
 INTERPRETER_PARTIAL_ROWS = 64  # the interpreter pays per program, not per row
 MERGE_ROWS = 128  # rows per program of the ordered merge
 TRITON_KERNELS = "kernels.triton_kernels"  # imported on first use: TRITON_INTERPRET is read at decoration
@@ -85,12 +95,19 @@ def _load_kernels(device: torch.device) -> tuple[ModuleType, bool]:
 )
 class TritonBackend:
     id: str
+    checks_finite_logits = True  # a non-finite logit makes its tile's sum NaN (tile_partials_kernel)
 
     def matmul(self, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, NodeProvenance]:
+        return self.invariant_matmul(hidden, weight, hidden.dtype)
+
+    def invariant_matmul(
+        self, hidden: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype
+    ) -> tuple[torch.Tensor, NodeProvenance]:
+        """hidden @ weight.T in one fixed tiling, fp32 accumulation, rounded once to ``out_dtype``."""
         kernels_module, interpreted = _load_kernels(hidden.device)
         tiling = INTERPRETER_TILING if interpreted else CUDA_TILING[hidden.dtype]
         rows, cols, depth = hidden.shape[0], weight.shape[0], hidden.shape[1]
-        logits = aligned_empty(rows, cols, hidden.dtype, hidden.device)
+        logits = aligned_empty(rows, cols, out_dtype, hidden.device)
         grid = (triton_cdiv(rows, tiling.block_m) * triton_cdiv(cols, tiling.block_n),)
         launch_triton(
             kernels_module.invariant_matmul_kernel, grid,
@@ -121,10 +138,11 @@ class TritonBackend:
         maxes = torch.empty((rows, n_tiles), dtype=torch.float32, device=logits.device)
         sums = torch.empty_like(maxes)
         rows_per_program = partial_rows(interpreted)
+        tiles = max(1, min(PARTIAL_TILES, n_tiles))
         launch_triton(
-            kernels_module.tile_partials_kernel, (triton_cdiv(rows, rows_per_program), n_tiles),
+            kernels_module.tile_partials_kernel, (triton_cdiv(rows, rows_per_program), triton_cdiv(n_tiles, tiles)),
             logits, maxes, sums, rows, n_real, logits.stride(0), n_tiles,
-            ROWS=rows_per_program, TILE=sharding.vocab_tile,
+            ROWS=rows_per_program, TILE=sharding.vocab_tile, TILES=tiles,
         )  # fmt: skip
         target = gather_target_logit(logits, local_targets, owned).float()
         return ShardPartials(maxes, sums, target, owned), observe("logprob", self.id, sums, interpreted=interpreted)
@@ -139,6 +157,74 @@ class TritonBackend:
         grid = (triton_cdiv(rows, MERGE_ROWS),)
         launch_triton(kernels_module.ordered_merge_kernel, grid, maxes, sums, lse, rows, n_tiles, BLOCK=MERGE_ROWS)
         return lse, observe("tp_merge", self.id, lse, tiles=n_tiles, interpreted=interpreted)
+
+
+@register_backend(
+    "triton_fused",
+    kernels={
+        "matmul": {f"{TRITON_KERNELS}.fused_head_kernel", f"{TRITON_KERNELS}.invariant_matmul_kernel"},
+        "logprob": {f"{TRITON_KERNELS}.fused_head_kernel", f"{TRITON_KERNELS}.tile_partials_kernel"},
+        "tp_merge": {f"{TRITON_KERNELS}.ordered_merge_kernel"},
+    },
+    # The matmul and the per-tile partials are one kernel and the logits stay fp32 in registers; the tiles are
+    # the global vocab tiles of the unfused backend, merged in the same order: bitwise across tp and layout.
+    capability=LogprobBackendCapability(
+        implementation_kind=ImplementationKind.PRODUCTION,
+        dtypes=frozenset(EXECUTION_DTYPE_NAMES),
+        determinism_scopes=frozenset(DeterminismScope),
+        merge_orders=frozenset({MergeOrder.GLOBAL_TILE}),
+    ),
+)
+class TritonFusedBackend(TritonBackend):
+    """``lm_head_logprob`` without [T, V] logits: ``fused_partials`` is the matmul and logprob nodes at once.
+
+    ``matmul`` (for ``kernels.matmul``) gives the fp32 logits the fused kernel keeps in registers, and
+    ``shard_partials`` reduces given logits, so ``kernels.logprob`` works on this backend too.
+    """
+
+    def matmul(self, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, NodeProvenance]:
+        return self.invariant_matmul(hidden, weight, torch.float32)
+
+    def max_vocab_tile(self, device: torch.device) -> int:
+        _, interpreted = _load_kernels(device)
+        fused = INTERPRETER_BLOCK_NUMEL // INTERPRETER_FUSED_ROWS if interpreted else FUSED_MAX_TILE
+        return min(fused, super().max_vocab_tile(device))
+
+    def fused_partials(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        local_targets: torch.Tensor,
+        owned: torch.Tensor,
+        sharding: ShardingSpec,
+    ) -> tuple[ShardPartials, NodeProvenance]:
+        """hidden[T, H] and this rank's real weight rows -> its per-tile partials and owned target logits."""
+        kernels_module, interpreted = _load_kernels(hidden.device)
+        tile = sharding.vocab_tile
+        lo, hi = sharding.shard
+        n_tiles = (hi - lo) // tile
+        rows, depth = hidden.shape
+        if interpreted:
+            block_m, group_m, warps, stages = INTERPRETER_FUSED_ROWS, 8, 4, 1
+            block_k = max(1, min(64, INTERPRETER_BLOCK_NUMEL // (block_m * tile)))
+        else:
+            tiling = FUSED_TILING[hidden.dtype]
+            block_m, block_k, group_m, warps, stages = (
+                tiling.block_m, tiling.block_k, tiling.group_m, tiling.num_warps, tiling.num_stages,
+            )  # fmt: skip
+        maxes = torch.empty((rows, n_tiles), dtype=torch.float32, device=hidden.device)
+        sums = torch.empty_like(maxes)
+        target = torch.zeros((rows,), dtype=torch.float32, device=hidden.device)
+        local = torch.where(owned, local_targets, -1)
+        launch_triton(
+            kernels_module.fused_head_kernel, (triton_cdiv(rows, block_m) * n_tiles,),
+            hidden, weight, local, maxes, sums, target, rows, weight.shape[0], depth,
+            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), n_tiles,
+            BLOCK_M=block_m, TILE=tile, BLOCK_K=block_k, GROUP_M=group_m, INTERPRETED=interpreted,
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+        partials = ShardPartials(maxes, sums, target, owned)
+        return partials, observe("logprob", self.id, sums, fused=True, interpreted=interpreted)
 
 
 def partial_rows(interpreted: bool) -> int:

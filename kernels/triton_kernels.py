@@ -101,26 +101,32 @@ def invariant_matmul_kernel(
 @triton.jit(do_not_specialize=["T", "n_real", "n_tiles"])
 def tile_partials_kernel(
     logits_ptr, max_ptr, sum_ptr, T, n_real, stride_t, n_tiles,
-    ROWS: tl.constexpr, TILE: tl.constexpr,
+    ROWS: tl.constexpr, TILE: tl.constexpr, TILES: tl.constexpr,
 ):  # fmt: skip
-    """Per (row, tile): fp32 max and sum(exp(x - max)) over TILE columns; padding is -inf."""
+    """Per (row, tile): fp32 max and sum(exp(x - max)) over TILE columns; padding is -inf.
+
+    Each program takes ROWS rows and TILES consecutive tiles, one tile at a time: how many it takes changes
+    the number of programs, never a tile's arithmetic. A NaN or infinite logit makes its tile's sum NaN, so the
+    caller sees a non-finite lse without a second pass over the logits to look for one.
+    """
     pid_r = tl.program_id(0)
-    tile = tl.program_id(1)
     rows = (pid_r * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    cols = tile * TILE + tl.arange(0, TILE)
-    x = tl.load(
-        logits_ptr + rows[:, None] * stride_t + cols[None, :],
-        mask=(rows[:, None] < T) & (cols[None, :] < n_real),
-        other=float("-inf"),
-    )
-    x = widen_to_fp32(x)
-    m = tl.max(x, axis=1)
-    # An all-padding tile is the identity (-inf, 0): shift by 0 so exp(-inf) = 0, not NaN.
-    shift = tl.where(m == float("-inf"), 0.0, m)
-    s = tl.sum(tl.exp(x - shift[:, None]), axis=1)
-    out = rows * n_tiles + tile
-    tl.store(max_ptr + out, m, mask=rows < T)
-    tl.store(sum_ptr + out, s, mask=rows < T)
+    for step in range(TILES):
+        tile = tl.program_id(1) * TILES + step
+        cols = tile * TILE + tl.arange(0, TILE)
+        real = (rows[:, None] < T) & (cols[None, :] < n_real)
+        x = tl.load(logits_ptr + rows[:, None] * stride_t + cols[None, :], mask=real, other=float("-inf"))
+        x = widen_to_fp32(x)
+        m = tl.max(x, axis=1)
+        # An all-padding tile is the identity (-inf, 0): shift by 0 so exp(-inf) = 0, not NaN.
+        shift = tl.where(m == float("-inf"), 0.0, m)
+        s = tl.sum(tl.exp(x - shift[:, None]), axis=1)
+        bad = tl.sum((real & ((x != x) | (tl.abs(x) == float("inf")))).to(tl.int32), axis=1)
+        s = tl.where(bad > 0, float("nan"), s)
+        out = rows * n_tiles + tile
+        live = rows < tl.where(tile < n_tiles, T, 0)  # the last program's steps past n_tiles store nothing
+        tl.store(max_ptr + out, m, mask=live)
+        tl.store(sum_ptr + out, s, mask=live)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -139,3 +145,58 @@ def ordered_merge_kernel(max_ptr, sum_ptr, lse_ptr, T, n_tiles: tl.constexpr, BL
         run_sum = tl.where(m > run_max, run_sum * scale + s, run_sum + s * scale)
         run_max = hi
     tl.store(lse_ptr + rows, run_max + tl.log(run_sum), mask=live)
+
+
+@triton.jit(do_not_specialize=["M", "n_real", "n_tiles"])
+def fused_head_kernel(
+    a_ptr, b_ptr, target_ptr, max_ptr, sum_ptr, logit_ptr, M, n_real, K: tl.constexpr,
+    stride_am, stride_ak, stride_bn, stride_bk, n_tiles,
+    BLOCK_M: tl.constexpr, TILE: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    """Per (row, vocab tile) of hidden[M, K] @ weight[n_real, K].T: the fp32 (max, sumexp) and the target logit.
+
+    The logits never leave the program: each computes one BLOCK_M x TILE block of them in fp32, exactly as
+    ``invariant_matmul_kernel`` does (one fixed tiling, K walked in order), reduces it to per-row partials of
+    its tile, and writes the logit of a row's target if the target falls in its tile (``target_ptr`` holds
+    the shard-local target, -1 where the shard does not own it). Columns past ``n_real`` are padding (-inf).
+    """
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    group = GROUP_M * n_tiles
+    first_m = (pid // group) * GROUP_M
+    group_rows = min(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % group_rows
+    tile = (pid % group) // group_rows
+
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (tile * TILE + tl.arange(0, TILE)).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, TILE), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(
+            a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak,
+            mask=(rm[:, None] < M) & (kk[None, :] < K),
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + rn[None, :] * stride_bn + kk[:, None] * stride_bk,
+            mask=(rn[None, :] < n_real) & (kk[:, None] < K),
+            other=0.0,
+        )
+        if INTERPRETED:  # see invariant_matmul_kernel: exact products summed over K in order
+            acc += tl.sum(widen_to_fp32(a)[:, :, None] * widen_to_fp32(b)[None, :, :], axis=1)
+        else:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+    x = tl.where(rn[None, :] < n_real, acc, float("-inf"))
+    m = tl.max(x, axis=1)
+    shift = tl.where(m == float("-inf"), 0.0, m)  # an all-padding tile is the identity (-inf, 0)
+    s = tl.sum(tl.exp(x - shift[:, None]), axis=1)
+    live = rm < M
+    tl.store(max_ptr + rm * n_tiles + tile, m, mask=live)
+    tl.store(sum_ptr + rm * n_tiles + tile, s, mask=live)
+    target = tl.load(target_ptr + rm, mask=live, other=-1)
+    picked = tl.max(tl.where(rn[None, :] == target[:, None], x, float("-inf")), axis=1)  # a copy, no arithmetic
+    mine = live & (target >= tile * TILE) & (target < tile * TILE + TILE)
+    tl.store(logit_ptr + rm, picked, mask=mine)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from kernels.errors import (
@@ -36,7 +38,7 @@ def check_matmul_inputs(hidden: torch.Tensor, weight: torch.Tensor) -> None:
     if hidden.device != weight.device:
         raise ShapeMismatchError(f"inputs on different devices: hidden {hidden.device}, weight {weight.device}")
     check_finite("hidden", hidden)
-    check_finite("weight", weight)
+    check_finite_once("weight", weight)
 
 
 def check_lm_head_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> None:
@@ -47,14 +49,16 @@ def check_lm_head_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         raise ShapeMismatchError(f"inputs on different devices: hidden {hidden.device}, targets {targets.device}")
 
 
-def check_logits_inputs(logits: torch.Tensor, targets: torch.Tensor) -> None:
-    """logits[T, V] with targets[T]."""
+def check_logits_inputs(logits: torch.Tensor, targets: torch.Tensor, *, values: bool = True) -> None:
+    """logits[T, V] with targets[T]; ``values``: also scan the logits for NaN and ±Inf (a backend whose kernel
+    detects them itself skips this second pass over T*V values)."""
     if logits.dim() != 2:
         raise ShapeMismatchError(f"logits must be [T, V], got shape {tuple(logits.shape)}")
     if logits.dtype not in (*EXECUTION_DTYPES, torch.float64):
         raise DtypeMismatchError(f"logits have dtype {logits.dtype}; supported: bfloat16, float32, float64")
     check_targets(targets, rows=logits.shape[0])
-    check_finite("logits", logits)
+    if values:
+        check_finite("logits", logits)
 
 
 def check_targets(targets: torch.Tensor, *, rows: int) -> None:
@@ -82,3 +86,21 @@ def check_finite(name: str, tensor: torch.Tensor) -> None:
     if not bool(finite.all()):
         index = tuple(int(i) for i in (~finite).nonzero()[0])
         raise NonFiniteInputError(f"{name} holds a non-finite value {tensor[index].item()} at index {index}")
+
+
+# id(tensor) -> the stamp it had when found finite. A weight is checked once, not on every call: reading a
+# 151936 x 4096 head costs as much as a decode-size matmul. Any in-place change bumps the tensor's version
+# counter (shared by its views), and a new storage changes data_ptr, so either is checked again.
+_FINITE: dict[int, tuple] = {}
+
+
+def check_finite_once(name: str, tensor: torch.Tensor) -> None:
+    """``check_finite``, skipped for a tensor already found finite and not modified since."""
+    key = id(tensor)
+    stamp = (tensor._version, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device)
+    if _FINITE.get(key) == stamp:
+        return
+    check_finite(name, tensor)
+    if key not in _FINITE:
+        weakref.finalize(tensor, _FINITE.pop, key, None)
+    _FINITE[key] = stamp

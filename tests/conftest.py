@@ -30,8 +30,9 @@ def needs_interpreter(item: pytest.Item) -> bool:
         return True
     params = getattr(item, "callspec", None).params if hasattr(item, "callspec") else {}
     on_cpu = params.get("device", "cpu") == "cpu"
-    triton = params.get("backend") == "triton" or "triton_device" in item.fixturenames or "triton" in item.originalname
-    return on_cpu and triton and ("device" in params or params.get("backend") == "triton")
+    triton_backend = str(params.get("backend", "")).startswith("triton")
+    triton = triton_backend or "triton_device" in item.fixturenames or "triton" in item.originalname
+    return on_cpu and triton and ("device" in params or triton_backend)
 
 
 @pytest.hookimpl(tryfirst=True)

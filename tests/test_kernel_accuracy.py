@@ -30,7 +30,7 @@ def assert_within_bound(result, reference, inp, dtype: torch.dtype) -> None:
 
 
 def skip_unless_runnable(backend: str, device: str) -> None:
-    if backend == "triton" and not triton_runs_on(device):
+    if backend.startswith("triton") and not triton_runs_on(device):
         pytest.skip("triton needs CUDA or TRITON_INTERPRET=1")
 
 
@@ -91,3 +91,19 @@ def test_inactive_rows_get_zero_logp_and_no_owner(make_inputs):
         assert bool((result.logp[result.active] < 0).all())
         expected_owner = (inp.targets[result.active] >= 512).long()  # padded 1024 split in two at 512
         assert torch.equal(result.owner_rank[result.active], expected_owner)
+
+
+FUSED_CASES = [(4096, None), (3001, None), (50257, None), *((3001, seed) for seed in SEEDS[:6])]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("vocab", "seed"), FUSED_CASES)
+def test_the_fused_head_is_as_accurate_as_fp32_logits_allow(dtype, vocab, seed, device, make_inputs):
+    """The fused head keeps its logits in fp32, so it is judged by the fp32-logits bound, ~300x tighter than bf16's."""
+    skip_unless_runnable("triton_fused", device)
+    inp = make_inputs(24, 96, vocab, dtype, device, seed=seed)
+    reference = kernels.lm_head_logprob(inp.hidden, inp.weight, inp.targets, backend="reference")
+    result = kernels.lm_head_logprob(inp.hidden, inp.weight, inp.targets, backend="triton_fused", vocab_tile=256)
+    assert result.provenance.nodes["matmul"].out_dtype == "float32"
+    assert result.provenance.nodes["matmul"].kernels == result.provenance.nodes["logprob"].kernels
+    assert_within_bound(result, reference, inp, torch.float32)

@@ -104,7 +104,7 @@ def test_vocab_tile_wider_than_a_triton_block_is_refused_before_any_launch(monke
     with pytest.raises(Exception, match=rf"numel \({2 * limit * triton_backend.INTERPRETER_PARTIAL_ROWS}\) exceeds"):
         triton_kernels.tile_partials_kernel[(1, 1)](
             torch.zeros(hidden.shape[0], 2 * limit), partials, partials, hidden.shape[0], 2 * limit, 2 * limit, 1,
-            ROWS=triton_backend.INTERPRETER_PARTIAL_ROWS, TILE=2 * limit,
+            ROWS=triton_backend.INTERPRETER_PARTIAL_ROWS, TILE=2 * limit, TILES=1,
         )  # fmt: skip
 
     def no_launch(*args, **kwargs):

@@ -31,15 +31,19 @@ def needle_call(inp, filler, needle_rows: torch.Tensor, rows: int, position: int
     return logits[window], result.logp[window], result.lse[window]
 
 
+INVARIANT = ["triton", "triton_fused"]  # the backends that declare cross_tp_bitwise
+
+
+@pytest.mark.parametrize("backend", INVARIANT)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_triton_row_alone_equals_row_among_filler(dtype, triton_device, make_inputs):
+def test_triton_row_alone_equals_row_among_filler(backend, dtype, triton_device, make_inputs):
     inp = make_inputs(1, HIDDEN, VOCAB, dtype, triton_device)
     filler = make_inputs(257, HIDDEN, VOCAB, dtype, triton_device)
-    alone = needle_call(inp, filler, torch.tensor([0]), 1, 0, "triton")
+    alone = needle_call(inp, filler, torch.tensor([0]), 1, 0, backend)
     rng = secrets.SystemRandom()
     for rows in (2, rng.randint(3, 256), 257):
         position = rng.randrange(rows)
-        among = needle_call(inp, filler, torch.tensor([0]), rows, position, "triton")
+        among = needle_call(inp, filler, torch.tensor([0]), rows, position, backend)
         for name, a, b in zip(("logits", "logp", "lse"), alone, among, strict=True):
             assert kernels.first_bit_difference(a, b) is None, (
                 f"{name} bits changed when the row sat at {position} of {rows} (seeds {inp.seed}, {filler.seed})"
@@ -57,13 +61,14 @@ def test_control_varies_with_the_number_of_rows(make_inputs):
     assert any(differ), f"the negative control gave the same bits in a 1-row and a 64-row call (seed {inp.seed})"
 
 
+@pytest.mark.parametrize("backend", INVARIANT)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_triton_is_bitwise_tp_invariant(dtype, triton_device, make_inputs):
+def test_triton_is_bitwise_tp_invariant(backend, dtype, triton_device, make_inputs):
     inp = make_inputs(19, HIDDEN, VOCAB, dtype, triton_device)
-    base = kernels.lm_head_logprob(inp.hidden, inp.weight, inp.targets, backend="triton", vocab_tile=TILE)
+    base = kernels.lm_head_logprob(inp.hidden, inp.weight, inp.targets, backend=backend, vocab_tile=TILE)
     for tp in (2, 4, 8):
         padded = kernels.padded_vocab_size(VOCAB, TILE, tp)
-        sharded = kernels.lm_head_logprob(inp.hidden, inp.weight, inp.targets, backend="triton", tp=tp, vocab_tile=TILE)
+        sharded = kernels.lm_head_logprob(inp.hidden, inp.weight, inp.targets, backend=backend, tp=tp, vocab_tile=TILE)
         for name in ("logp", "lse"):
             index = kernels.first_bit_difference(getattr(base, name), getattr(sharded, name))
             assert index is None, f"{name} row {index} differs at tp={tp} (padded vocab {padded}, seed {inp.seed})"
@@ -71,17 +76,17 @@ def test_triton_is_bitwise_tp_invariant(dtype, triton_device, make_inputs):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("tp", [2, 4])
-def test_triton_distributed_gloo_equals_emulated(tp, make_inputs):
+@pytest.mark.parametrize(("backend", "tp"), [("triton", 2), ("triton", 4), ("triton_fused", 2)])
+def test_triton_distributed_gloo_equals_emulated(backend, tp, make_inputs):
     if not triton_runs_on("cpu"):
         pytest.skip("gloo ranks run the Triton interpreter on the CPU")
     inp = make_inputs(13, HIDDEN, VOCAB, torch.bfloat16, "cpu")
-    emulated = kernels.lm_head_logprob(inp.hidden, inp.weight, inp.targets, backend="triton", tp=tp, vocab_tile=TILE)
+    emulated = kernels.lm_head_logprob(inp.hidden, inp.weight, inp.targets, backend=backend, tp=tp, vocab_tile=TILE)
     distributed = kernels.lm_head_logprob(
-        inp.hidden, inp.weight, inp.targets, backend="triton", tp=tp, tp_mode="distributed", vocab_tile=TILE
+        inp.hidden, inp.weight, inp.targets, backend=backend, tp=tp, tp_mode="distributed", vocab_tile=TILE
     )
     assert distributed.provenance.tp_mode == "distributed"
-    assert distributed.provenance.nodes["matmul"].backend == "triton"
+    assert distributed.provenance.nodes["matmul"].backend == backend
     for name in ("logp", "lse", "owner_rank"):
         a, b = getattr(emulated, name), getattr(distributed, name)
         assert kernels.first_bit_difference(a.double(), b.double()) is None, f"{name} differs (seed {inp.seed})"
