@@ -1,7 +1,14 @@
-"""Logprob head on one GPU: Triton invariant kernels vs stock PyTorch vs the memory-bandwidth floor.
+"""The lm_head logprob on one GPU, through the public calls a user makes, beside cuBLAS, aten and Liger-Kernel.
 
-Usage: python benchmarks/bench_logprob.py [--tokens 16384] [--vocab 151936] [--hidden 4096] [--out DIR]
-Prints a Markdown table and writes bench_logprob.json to --out. Needs CUDA.
+Usage: python benchmarks/bench_logprob.py [--tokens 64 16384] [--repeats 20] [--tune] [--out DIR]
+
+For each token count T (V = 151936, H = 4096, bf16 inputs, logits of std 4): the bandwidth floor of reading
+the [T, V] bf16 logits, ``kernels.logprob`` on materialized logits, ``kernels.matmul`` against cuBLAS, and
+``kernels.lm_head_logprob`` (triton, triton_fused, aten) beside Liger-Kernel's fused linear cross-entropy
+(forward, and forward + backward); each with its median time over ``--repeats`` calls (L2 flushed before every
+call), its peak memory beyond the inputs, its max |logp - float64| on 64 rows, and whether 7 rows alone give
+the bits they have inside the T-row call. ``--tune`` times candidate tilings first (docs/benchmarks.md says
+how the shipped ones were chosen). Prints Markdown tables; writes bench_logprob.json to --out. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -11,115 +18,254 @@ import json
 import platform
 import statistics
 import sys
+from collections.abc import Callable
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
 import triton
 
 import kernels
+from kernels import triton_backend
+from kernels.triton_backend import MatmulTiling
 
-WARMUP, REPEATS = 3, 10
+V, H, LOGIT_STD = 151936, 4096, 4.0
+PROBE = [0, 1, 2, 5, 31, 48, 63]  # rows checked alone against the full call (all < 64, so every T has them)
+ACCURACY_ROWS = 64
+FLUSH_BYTES = 512 << 20  # more than the H200's 50 MB L2, written before every timed call
 
 
-def time_ms(fn) -> float:
-    """Median CUDA-event time of ``fn`` over REPEATS runs after WARMUP runs."""
-    for _ in range(WARMUP):
+class Bench:
+    def __init__(self, repeats: int):
+        self.repeats = repeats
+        self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+
+    def time_ms(self, fn: Callable[[], object]) -> float:
+        """Median CUDA-event time of ``fn`` over ``repeats`` calls, each after an L2 flush (not timed)."""
         fn()
-    times = []
-    for _ in range(REPEATS):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
         fn()
-        stop.record()
+        times = []
+        for _ in range(self.repeats):
+            self.flush.zero_()
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(stop))
+        return statistics.median(times)
+
+    @staticmethod
+    def peak_gib(fn: Callable[[], object]) -> float:
+        """Peak memory ``fn`` allocates beyond what is allocated when it starts, in GiB."""
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = fn()
+        torch.cuda.synchronize()
+        del out
+        return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def inputs(tokens: int, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = torch.randn(tokens, H, device="cuda", generator=gen).bfloat16()
+    weight = (torch.randn(V, H, device="cuda", generator=gen) * (LOGIT_STD / H**0.5)).bfloat16()
+    targets = torch.randint(0, V, (tokens,), device="cuda", generator=gen)
+    return hidden, weight, targets
+
+
+def liger():
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError:
+        return None
+    return liger_fused_linear_cross_entropy
+
+
+def logp_paths(tile: int, fused_tile: int) -> dict[str, Callable]:
+    """name -> (hidden, weight, targets) -> logp [T] fp32, each through its public call."""
+
+    def head(backend: str, vocab_tile: int):
+        return lambda h, w, t: kernels.lm_head_logprob(h, w, t, backend=backend, vocab_tile=vocab_tile).logp
+
+    paths = {
+        "lm_head_logprob triton": head("triton", tile),
+        "lm_head_logprob triton_fused": head("triton_fused", fused_tile),
+        "lm_head_logprob aten": head("aten", tile),
+    }
+    flce = liger()
+    if flce is not None:
+        paths["Liger FLCE forward"] = lambda h, w, t: -flce(h, w, t, reduction="none").float()
+    return paths
+
+
+def invariant(path: Callable, hidden, weight, targets, full: torch.Tensor) -> bool:
+    pick = torch.tensor(PROBE, device="cuda")
+    alone = path(hidden[pick], weight, targets[pick])
+    return kernels.first_bit_difference(alone, full[pick]) is None
+
+
+def materialized(bench: Bench, hidden, weight, targets, tile: int) -> list[dict]:
+    """The floor of reading the [T, V] bf16 logits, and ``kernels.logprob`` on them."""
+    tokens = hidden.shape[0]
+    logits = hidden @ weight.T
+    scratch = torch.empty_like(logits)
+    copy_ms = bench.time_ms(lambda: scratch.copy_(logits))
+    tbps = 2 * logits.numel() * logits.element_size() / (copy_ms * 1e-3) / 1e12  # read + write
+    floor_ms = copy_ms / 2  # reading the logits once, at the copy's bandwidth
+    rows = [
+        {
+            "T": tokens,
+            "measurement": "copy of the bf16 logits (read + write)",
+            "ms": copy_ms,
+            "note": f"{tbps:.2f} TB/s",
+        },
+        {"T": tokens, "measurement": "floor: read T*V bf16 logits once", "ms": floor_ms, "note": "1.00x floor"},
+    ]
+    for backend in ("triton", "aten"):
+        ms = bench.time_ms(lambda b=backend: kernels.logprob(logits, targets, backend=b, vocab_tile=tile))
+        rows.append({"T": tokens, "measurement": f"kernels.logprob {backend} (materialized logits)", "ms": ms,
+                     "note": f"{floor_ms / ms:.2f}x floor"})  # fmt: skip
+    return rows
+
+
+def measure(bench: Bench, tokens: int, tile: int, fused_tile: int, reference: torch.Tensor) -> list[dict]:
+    hidden, weight, targets = inputs(tokens)
+    rows: list[dict] = []
+
+    def row(name: str, ms: float, note: str = "", **extra) -> None:
+        rows.append({"T": tokens, "measurement": name, "ms": round(ms, 4), "note": note, **extra})
+
+    rows += materialized(bench, hidden, weight, targets, tile)
+    flops = 2 * tokens * V * H
+    cublas_ms = bench.time_ms(lambda: hidden @ weight.T)
+    triton_ms = bench.time_ms(lambda: kernels.matmul(hidden, weight, backend="triton"))
+    row("matmul cuBLAS bf16", cublas_ms, f"{flops / cublas_ms / 1e9:.0f} TFLOP/s")
+    row("kernels.matmul triton (invariant)", triton_ms, f"{cublas_ms / triton_ms:.2f}x cuBLAS")
+
+    probe = slice(0, ACCURACY_ROWS)
+    for name, path in logp_paths(tile, fused_tile).items():
+        with torch.no_grad():
+            ms = bench.time_ms(lambda p=path: p(hidden, weight, targets))
+            peak = bench.peak_gib(lambda p=path: p(hidden, weight, targets))
+            full = path(hidden, weight, targets)
+            error = float((full[probe].double() - reference).abs().max())
+            bitwise = invariant(path, hidden, weight, targets, full)
+        row(name, ms, f"{ms / cublas_ms:.2f}x cuBLAS matmul", peak_gib=round(peak, 3), max_err=error, bitwise=bitwise)
+
+    flce = liger()
+    if flce is not None:
+        leaf = hidden.detach().requires_grad_(True)
+        head = weight.detach().requires_grad_(True)
+
+        def forward_backward():
+            leaf.grad = head.grad = None
+            flce(leaf, head, targets, reduction="none").sum().backward()
+
+        ms = bench.time_ms(forward_backward)
+        peak = bench.peak_gib(forward_backward)
+        row("Liger FLCE forward + backward", ms, f"{ms / cublas_ms:.2f}x cuBLAS matmul", peak_gib=round(peak, 3))
+    return rows
+
+
+def tune(bench: Bench, out: list[dict]) -> None:
+    """Candidate tilings at both ends of T: the numbers the shipped choices in kernels/triton_backend.py rest on."""
+    matmul_candidates = [
+        MatmulTiling(128, 128, 64, 8, 8, 3),
+        MatmulTiling(128, 256, 64, 8, 8, 3),
+        MatmulTiling(128, 256, 64, 8, 8, 4),
+        MatmulTiling(256, 128, 64, 8, 8, 3),
+        MatmulTiling(128, 128, 64, 8, 4, 4),
+        MatmulTiling(64, 256, 64, 8, 4, 4),
+    ]
+    fused_candidates = [  # (tiling: block_n unused, vocab tile)
+        (MatmulTiling(128, 0, 64, 8, 8, 3), 256),
+        (MatmulTiling(128, 0, 64, 8, 8, 4), 256),
+        (MatmulTiling(128, 0, 64, 8, 8, 3), 128),
+        (MatmulTiling(128, 0, 64, 8, 4, 4), 128),
+        (MatmulTiling(64, 0, 64, 8, 4, 4), 256),
+        (MatmulTiling(256, 0, 64, 8, 8, 3), 128),
+    ]
+    saved = (dict(triton_backend.CUDA_TILING), dict(triton_backend.FUSED_TILING), triton_backend.PARTIAL_TILES)
+    try:
+        for tokens in (64, 16384):
+            tune_at(bench, tokens, matmul_candidates, fused_candidates, out)
+            torch.cuda.empty_cache()
+    finally:
+        triton_backend.CUDA_TILING.update(saved[0])
+        triton_backend.FUSED_TILING.update(saved[1])
+        triton_backend.PARTIAL_TILES = saved[2]
+
+
+def tune_at(bench: Bench, tokens: int, matmul_candidates, fused_candidates, out: list[dict]) -> None:
+    hidden, weight, targets = inputs(tokens)
+    cublas_ms = bench.time_ms(lambda: hidden @ weight.T)
+    for tiling in matmul_candidates:
+        triton_backend.CUDA_TILING[torch.bfloat16] = tiling
+        ms = bench.time_ms(lambda: kernels.matmul(hidden, weight, backend="triton"))
+        out.append({"T": tokens, "kind": "matmul", "config": str(tiling), "ms": ms, "x_cublas": cublas_ms / ms})
+    for tiling, tile in fused_candidates:
+        triton_backend.FUSED_TILING[torch.bfloat16] = tiling
+        path = logp_paths(1024, tile)["lm_head_logprob triton_fused"]
+        ms = bench.time_ms(lambda p=path: p(hidden, weight, targets))
+        bitwise = invariant(path, hidden, weight, targets, path(hidden, weight, targets))
+        out.append({"T": tokens, "kind": "fused", "config": f"{tiling} tile={tile}", "ms": ms,
+                    "x_cublas": cublas_ms / ms, "bitwise": bitwise})  # fmt: skip
+    logits = hidden @ weight.T
+    for tiles in (1, 4, 8, 16, 32):
+        triton_backend.PARTIAL_TILES = tiles
+        ms = bench.time_ms(lambda: kernels.logprob(logits, targets, backend="triton", vocab_tile=1024))
+        out.append({"T": tokens, "kind": "logprob", "config": f"PARTIAL_TILES={tiles}", "ms": ms})
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--vocab-tile", type=int, default=kernels.DEFAULT_VOCAB_TILE)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[64, 16384])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--vocab-tile", type=int, default=1024, help="the unfused triton profile's tile")
+    parser.add_argument("--fused-tile", type=int, default=256, help="the fused profile's tile")
+    parser.add_argument("--tune", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_logprob needs CUDA", file=sys.stderr)
         return 1
-    T, V, H, tile = args.tokens, args.vocab, args.hidden, args.vocab_tile
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    hidden = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
-    weight = (torch.randn(V, H, device="cuda", generator=gen) * (4.0 / H**0.5)).bfloat16()
-    logits = hidden @ weight.T
-    targets = torch.randint(0, V, (T,), device="cuda", generator=gen)
-    rows = []
-
-    # Floor: the logprob head must read T*V bf16 logits once; a device copy measures the bandwidth.
-    scratch = torch.empty_like(logits)
-    copy_ms = time_ms(lambda: scratch.copy_(logits))
-    copy_tbps = 2 * logits.numel() * logits.element_size() / copy_ms / 1e9
-    floor_ms = logits.numel() * logits.element_size() / copy_tbps / 1e9
-    rows.append(("copy (read+write) bandwidth", copy_ms, f"{copy_tbps:.2f} TB/s"))
-    rows.append(("logprob floor T*V*2 B / copy bw", floor_ms, "1.00x floor"))
-
-    triton_impl = kernels.BACKENDS["triton"]
-    sharding = kernels.ShardingSpec.even(V, tile, 1)
-    owned = torch.ones(T, dtype=torch.bool, device="cuda")
-
-    def triton_logprob():
-        partials, _ = triton_impl.shard_partials(logits, targets, owned, sharding)
-        lse, _ = triton_impl.merge([partials])
-        return partials.target_logit - lse
-
-    def aten_logprob():
-        return torch.log_softmax(logits.float(), dim=-1).gather(1, targets[:, None])
-
-    for name, fn in (
-        ("triton tile partials + ordered merge", triton_logprob),
-        ("aten fp32 log_softmax + gather", aten_logprob),
-    ):
-        ms = time_ms(fn)
-        rows.append((f"logprob: {name}", ms, f"{floor_ms / ms:.2f}x floor"))
-
-    flops = 2 * T * V * H
-    cublas_ms = time_ms(lambda: hidden @ weight.T)
-    triton_mm_ms = time_ms(lambda: kernels.matmul(hidden, weight, backend="triton"))
-    rows.append(("matmul: cuBLAS bf16", cublas_ms, f"{flops / cublas_ms / 1e9:.0f} TFLOP/s"))
-    rows.append(("matmul: triton invariant", triton_mm_ms, f"{cublas_ms / triton_mm_ms:.2f}x cuBLAS"))
-
-    for backend in ("triton", "aten"):
-        ms = time_ms(lambda b=backend: kernels.lm_head_logprob(hidden, weight, targets, backend=b, vocab_tile=tile))
-        rows.append((f"lm_head_logprob end to end: {backend}", ms, "incl. input checks"))
-
-    # Invariance at the real shape: 7 rows alone vs the same rows inside the T-row call.
-    full = {b: kernels.lm_head_logprob(hidden, weight, targets, backend=b, vocab_tile=tile) for b in ("triton", "aten")}
-    pick = torch.tensor([0, 1, 2, 100, 5000, T // 2, T - 1], device="cuda")
-    invariance = {}
-    for backend, result in full.items():
-        alone = kernels.lm_head_logprob(hidden[pick], weight, targets[pick], backend=backend, vocab_tile=tile)
-        invariance[backend] = {
-            name: kernels.first_bit_difference(getattr(alone, name), getattr(result, name)[pick]) is None
-            for name in ("logp", "lse")
-        }
-
+    bench = Bench(args.repeats)
+    tuning: list[dict] = []
+    if args.tune:
+        tune(bench, tuning)
+        print("| T | kind | config | ms | x cuBLAS | bitwise |\n|---:|---|---|---:|---:|---|")
+        for r in tuning:
+            print(f"| {r['T']} | {r['kind']} | {r['config']} | {r['ms']:.3f} | {r.get('x_cublas', float('nan')):.2f} "
+                  f"| {r.get('bitwise', '')} |")  # fmt: skip
+    rows: list[dict] = []
+    for tokens in args.tokens:
+        h, w, t = inputs(tokens)
+        reference = kernels.lm_head_logprob(h[:ACCURACY_ROWS], w, t[:ACCURACY_ROWS], backend="reference").logp
+        del h, w, t
+        torch.cuda.empty_cache()
+        rows += measure(bench, tokens, args.vocab_tile, args.fused_tile, reference)
+        torch.cuda.empty_cache()
     env = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
-        "shape": {"tokens": T, "vocab": V, "hidden": H, "vocab_tile": tile},
+        "liger_kernel": version("liger-kernel") if liger() else None,
+        "shape": {"vocab": V, "hidden": H, "vocab_tile": args.vocab_tile, "fused_tile": args.fused_tile},
+        "repeats": args.repeats,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_logprob.json").write_text(
-        json.dumps({"env": env, "rows": rows, "bitwise_7_rows_vs_full_call": invariance}, indent=2)
-    )
+    (args.out / "bench_logprob.json").write_text(json.dumps({"env": env, "rows": rows, "tuning": tuning}, indent=2))
     print(json.dumps(env))
-    print("| measurement | ms | |\n|---|---:|---|")
-    for name, ms, note in rows:
-        print(f"| {name} | {ms:.3f} | {note} |")
-    print(f"bitwise, 7 rows alone vs inside the {T}-row call: {invariance}")
+    print("| T | measurement | ms | | peak GiB | max abs err vs fp64 | 7 rows bitwise |")
+    print("|---:|---|---:|---|---:|---:|---|")
+    for r in rows:
+        err = f"{r['max_err']:.3g}" if "max_err" in r else ""
+        print(f"| {r['T']} | {r['measurement']} | {r['ms']:.3f} | {r['note']} | {r.get('peak_gib', '')} | {err} "
+              f"| {r.get('bitwise', '')} |")  # fmt: skip
     return 0
 
 

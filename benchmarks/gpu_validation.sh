@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU validation recorded in docs/benchmarks.md and docs/testing.md: environment, the whole test
-# suite, the checked-in GPU sweep, the peaked workload, and the design card's command with tp up to 8.
+# The GPU validation recorded in docs/benchmarks.md: environment, the benchmark (bench_logprob.py, with
+# BENCH_ARGS), the whole test suite, the checked-in GPU sweep, the peaked workload, and the design card's command with tp up to 8.
 # Usage (from the repo root, on a CUDA machine): bash benchmarks/gpu_validation.sh [OUT_DIR]
 set -uo pipefail
 out="${1:-${OUT:-gpu-validation}}"
@@ -23,6 +23,7 @@ print("python", platform.python_version(), "| torch", torch.__version__, "| trit
 PY
 python3 -m pip list 2>/dev/null | grep -iE "^(numpy|pandas|pyarrow|hydra-core) " | tee -a "$out/environment.txt"
 
+step bench python3 benchmarks/bench_logprob.py --out "$out" ${BENCH_ARGS:-}
 step pytest python3 -m pytest -q -p no:cacheprovider -rs
 step gpu_tp python3 -m rlsweep sweep=gpu_tp hydra.sweep.dir="$out/gpu_tp"
 step peaked python3 -m rlsweep profile=triton_cuda_bf16,cuda_bf16 model=qwen3_8b workload=peaked \
