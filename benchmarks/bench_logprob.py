@@ -174,49 +174,73 @@ def tune(bench: Bench, out: list[dict]) -> None:
     matmul_candidates = [
         MatmulTiling(128, 128, 64, 8, 8, 3),
         MatmulTiling(128, 256, 64, 8, 8, 3),
-        MatmulTiling(128, 256, 64, 8, 8, 4),
-        MatmulTiling(256, 128, 64, 8, 8, 3),
-        MatmulTiling(128, 128, 64, 8, 4, 4),
         MatmulTiling(64, 256, 64, 8, 4, 4),
     ]
-    fused_candidates = [  # (tiling: block_n unused, vocab tile)
-        (MatmulTiling(128, 0, 64, 8, 8, 3), 256),
-        (MatmulTiling(128, 0, 64, 8, 8, 4), 256),
-        (MatmulTiling(128, 0, 64, 8, 8, 3), 128),
-        (MatmulTiling(128, 0, 64, 8, 4, 4), 128),
-        (MatmulTiling(64, 0, 64, 8, 4, 4), 256),
-        (MatmulTiling(256, 0, 64, 8, 8, 3), 128),
+    fused_candidates = [  # (tiling: block_n unused, vocab tile, TMA, persistent programs per SM)
+        (MatmulTiling(128, 0, 64, 8, 8, 3), 256, False, 1),
+        (MatmulTiling(128, 0, 64, 8, 8, 3), 256, True, 1),
+        (MatmulTiling(128, 0, 64, 8, 8, 4), 256, True, 1),
+        (MatmulTiling(128, 0, 128, 8, 8, 2), 256, True, 1),
+        (MatmulTiling(128, 0, 64, 8, 8, 3), 128, True, 1),
+        (MatmulTiling(128, 0, 64, 8, 4, 4), 128, True, 2),
+        (MatmulTiling(128, 0, 64, 8, 8, 3), 256, True, 2),
     ]
-    saved = (dict(triton_backend.CUDA_TILING), dict(triton_backend.FUSED_TILING), triton_backend.PARTIAL_TILES)
+    partial_candidates = [(4, 8, 4), (8, 4, 4), (8, 8, 8), (16, 2, 8), (16, 4, 8), (32, 1, 8), (32, 2, 16)]
+    knobs = ("PARTIAL_ROWS", "PARTIAL_TILES", "PARTIAL_WARPS", "FUSED_TMA", "FUSED_PROGRAMS_PER_SM")
+    saved = (dict(triton_backend.CUDA_TILING), dict(triton_backend.FUSED_TILING))
+    saved_knobs = {knob: getattr(triton_backend, knob) for knob in knobs}
     try:
         for tokens in (64, 16384):
-            tune_at(bench, tokens, matmul_candidates, fused_candidates, out)
+            tune_at(bench, tokens, matmul_candidates, fused_candidates, partial_candidates, out)
             torch.cuda.empty_cache()
     finally:
         triton_backend.CUDA_TILING.update(saved[0])
         triton_backend.FUSED_TILING.update(saved[1])
-        triton_backend.PARTIAL_TILES = saved[2]
+        for knob, value in saved_knobs.items():
+            setattr(triton_backend, knob, value)
 
 
-def tune_at(bench: Bench, tokens: int, matmul_candidates, fused_candidates, out: list[dict]) -> None:
+def tune_at(bench: Bench, tokens: int, matmul_candidates, fused_candidates, partial_candidates, out) -> None:
     hidden, weight, targets = inputs(tokens)
     cublas_ms = bench.time_ms(lambda: hidden @ weight.T)
     for tiling in matmul_candidates:
         triton_backend.CUDA_TILING[torch.bfloat16] = tiling
         ms = bench.time_ms(lambda: kernels.matmul(hidden, weight, backend="triton"))
         out.append({"T": tokens, "kind": "matmul", "config": str(tiling), "ms": ms, "x_cublas": cublas_ms / ms})
-    for tiling, tile in fused_candidates:
+    for tiling, tile, tma, per_sm in fused_candidates:
         triton_backend.FUSED_TILING[torch.bfloat16] = tiling
+        triton_backend.FUSED_TMA, triton_backend.FUSED_PROGRAMS_PER_SM = tma, per_sm
         path = logp_paths(1024, tile)["lm_head_logprob triton_fused"]
         ms = bench.time_ms(lambda p=path: p(hidden, weight, targets))
         bitwise = invariant(path, hidden, weight, targets, path(hidden, weight, targets))
-        out.append({"T": tokens, "kind": "fused", "config": f"{tiling} tile={tile}", "ms": ms,
-                    "x_cublas": cublas_ms / ms, "bitwise": bitwise})  # fmt: skip
+        config = f"{tiling} tile={tile} tma={tma} per_sm={per_sm}"
+        out.append({"T": tokens, "kind": "fused", "config": config, "ms": ms, "x_cublas": cublas_ms / ms,
+                    "bitwise": bitwise})  # fmt: skip
     logits = hidden @ weight.T
-    for tiles in (1, 4, 8, 16, 32):
-        triton_backend.PARTIAL_TILES = tiles
+    for rows, tiles, warps in partial_candidates:
+        triton_backend.PARTIAL_ROWS, triton_backend.PARTIAL_TILES, triton_backend.PARTIAL_WARPS = rows, tiles, warps
         ms = bench.time_ms(lambda: kernels.logprob(logits, targets, backend="triton", vocab_tile=1024))
-        out.append({"T": tokens, "kind": "logprob", "config": f"PARTIAL_TILES={tiles}", "ms": ms})
+        out.append({"T": tokens, "kind": "logprob", "config": f"rows={rows} tiles={tiles} warps={warps}", "ms": ms})
+
+
+def host_profile(tokens: int = 64, calls: int = 30) -> str:
+    """Where a decode-size call spends its time on the host: cProfile of synchronized fused calls."""
+    import cProfile
+    import io
+    import pstats
+
+    hidden, weight, targets = inputs(tokens)
+    for _ in range(3):
+        kernels.lm_head_logprob(hidden, weight, targets, backend="triton_fused", vocab_tile=256)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        kernels.lm_head_logprob(hidden, weight, targets, backend="triton_fused", vocab_tile=256)
+        torch.cuda.synchronize()
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(14)
+    return text.getvalue()
 
 
 def main() -> int:
@@ -234,6 +258,7 @@ def main() -> int:
     bench = Bench(args.repeats)
     tuning: list[dict] = []
     if args.tune:
+        print(host_profile())
         tune(bench, tuning)
         print("| T | kind | config | ms | x cuBLAS | bitwise |\n|---:|---|---|---:|---:|---|")
         for r in tuning:

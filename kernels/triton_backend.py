@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ class MatmulTiling:
 # Compiled CUDA: bf16 operands go to the tensor cores with fp32 accumulation; fp32 operands use
 # IEEE fp32 (no TF32). Interpreter: fp32 products summed over K in order (see the kernel).
 CUDA_TILING = {
-    torch.bfloat16: MatmulTiling(128, 128, 64, 8, 8, 3),
+    torch.bfloat16: MatmulTiling(128, 256, 64, 8, 8, 3),  # H200: 0.71x cuBLAS at T=16384 (docs/benchmarks.md)
     torch.float32: MatmulTiling(128, 64, 32, 8, 8, 3),
 }
 INTERPRETER_TILING = MatmulTiling(64, 256, 64, 8, 4, 1)  # 64*64*256 products: under the 2**20 block cap
@@ -43,10 +44,13 @@ FUSED_TILING = {
     torch.bfloat16: MatmulTiling(128, 0, 64, 8, 8, 3),
     torch.float32: MatmulTiling(64, 0, 32, 8, 8, 3),
 }
+FUSED_TMA = True  # use fused_head_tma_kernel where the GPU and the operands allow it (tma_ready)
+FUSED_PROGRAMS_PER_SM = 2  # persistent programs of the TMA kernel per multiprocessor (H200: 2 beat 1)
 FUSED_MAX_TILE = 256  # compiled: a 128 x 256 fp32 accumulator is what one program's registers hold
 INTERPRETER_FUSED_ROWS = 64
 INTERPRETER_BLOCK_NUMEL = 1 << 20  # the interpreter's broadcast product is rows x K step x tile
 PARTIAL_ROWS = 4  # rows per program of the tile-partials kernel (compiled)
+PARTIAL_WARPS = 4  # warps per program of the tile-partials kernel (compiled)
 PARTIAL_TILES = 8  # tiles per program of the tile-partials kernel: fewer, longer programs; no effect on the bits
 INTERPRETER_PARTIAL_ROWS = 64  # the interpreter pays per program, not per row
 MERGE_ROWS = 128  # rows per program of the ordered merge
@@ -142,7 +146,7 @@ class TritonBackend:
         launch_triton(
             kernels_module.tile_partials_kernel, (triton_cdiv(rows, rows_per_program), triton_cdiv(n_tiles, tiles)),
             logits, maxes, sums, rows, n_real, logits.stride(0), n_tiles,
-            ROWS=rows_per_program, TILE=sharding.vocab_tile, TILES=tiles,
+            ROWS=rows_per_program, TILE=sharding.vocab_tile, TILES=tiles, num_warps=PARTIAL_WARPS,
         )  # fmt: skip
         target = gather_target_logit(logits, local_targets, owned).float()
         return ShardPartials(maxes, sums, target, owned), observe("logprob", self.id, sums, interpreted=interpreted)
@@ -162,8 +166,14 @@ class TritonBackend:
 @register_backend(
     "triton_fused",
     kernels={
-        "matmul": {f"{TRITON_KERNELS}.fused_head_kernel", f"{TRITON_KERNELS}.invariant_matmul_kernel"},
-        "logprob": {f"{TRITON_KERNELS}.fused_head_kernel", f"{TRITON_KERNELS}.tile_partials_kernel"},
+        "matmul": {
+            f"{TRITON_KERNELS}.{name}"
+            for name in ("fused_head_kernel", "fused_head_tma_kernel", "invariant_matmul_kernel")
+        },
+        "logprob": {
+            f"{TRITON_KERNELS}.{name}"
+            for name in ("fused_head_kernel", "fused_head_tma_kernel", "tile_partials_kernel")
+        },
         "tp_merge": {f"{TRITON_KERNELS}.ordered_merge_kernel"},
     },
     # The matmul and the per-tile partials are one kernel and the logits stay fp32 in registers; the tiles are
@@ -216,8 +226,23 @@ class TritonFusedBackend(TritonBackend):
         sums = torch.empty_like(maxes)
         target = torch.zeros((rows,), dtype=torch.float32, device=hidden.device)
         local = torch.where(owned, local_targets, -1)
+        programs = triton_cdiv(rows, block_m) * n_tiles
+        if not interpreted and tma_ready(hidden, weight):
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            persistent = min(programs, FUSED_PROGRAMS_PER_SM * multiprocessors(hidden.device))
+            launch_triton(
+                kernels_module.fused_head_tma_kernel, (persistent,),
+                TensorDescriptor.from_tensor(hidden, [block_m, block_k]),
+                TensorDescriptor.from_tensor(weight, [tile, block_k]),
+                local, maxes, sums, target, rows, weight.shape[0], n_tiles, depth,
+                BLOCK_M=block_m, TILE=tile, BLOCK_K=block_k, GROUP_M=group_m, PROGRAMS=persistent,
+                num_warps=warps, num_stages=stages,
+            )  # fmt: skip
+            partials = ShardPartials(maxes, sums, target, owned)
+            return partials, observe("logprob", self.id, sums, fused=True, tma=True, interpreted=False)
         launch_triton(
-            kernels_module.fused_head_kernel, (triton_cdiv(rows, block_m) * n_tiles,),
+            kernels_module.fused_head_kernel, (programs,),
             hidden, weight, local, maxes, sums, target, rows, weight.shape[0], depth,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), n_tiles,
             BLOCK_M=block_m, TILE=tile, BLOCK_K=block_k, GROUP_M=group_m, INTERPRETED=interpreted,
@@ -225,6 +250,23 @@ class TritonFusedBackend(TritonBackend):
         )  # fmt: skip
         partials = ShardPartials(maxes, sums, target, owned)
         return partials, observe("logprob", self.id, sums, fused=True, interpreted=interpreted)
+
+
+def tma_ready(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Tensor-memory access (compute capability 9+): row-major operands, 16-byte aligned rows and bases, and a
+    weight shard with at least one real row. The choice depends on the device and the hidden size only."""
+    return (
+        FUSED_TMA
+        and torch.cuda.get_device_capability(hidden.device)[0] >= 9
+        and weight.shape[0] > 0
+        and all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (hidden, weight))
+        and all(t.data_ptr() % 16 == 0 for t in (hidden, weight))
+    )
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def partial_rows(interpreted: bool) -> int:

@@ -121,8 +121,9 @@ def tile_partials_kernel(
         # An all-padding tile is the identity (-inf, 0): shift by 0 so exp(-inf) = 0, not NaN.
         shift = tl.where(m == float("-inf"), 0.0, m)
         s = tl.sum(tl.exp(x - shift[:, None]), axis=1)
-        bad = tl.sum((real & ((x != x) | (tl.abs(x) == float("inf")))).to(tl.int32), axis=1)
-        s = tl.where(bad > 0, float("nan"), s)
+        # NaN and +inf already make s NaN (x - shift); a -inf logit would vanish in exp, so it is looked for.
+        lowest = tl.min(tl.where(real, x, 0.0), axis=1)
+        s = tl.where(lowest == float("-inf"), float("nan"), s)
         out = rows * n_tiles + tile
         live = rows < tl.where(tile < n_tiles, T, 0)  # the last program's steps past n_tiles store nothing
         tl.store(max_ptr + out, m, mask=live)
@@ -200,3 +201,39 @@ def fused_head_kernel(
     picked = tl.max(tl.where(rn[None, :] == target[:, None], x, float("-inf")), axis=1)  # a copy, no arithmetic
     mine = live & (target >= tile * TILE) & (target < tile * TILE + TILE)
     tl.store(logit_ptr + rm, picked, mask=mine)
+
+
+@triton.jit(do_not_specialize=["M", "n_real", "n_tiles"])
+def fused_head_tma_kernel(
+    a_desc, b_desc, target_ptr, max_ptr, sum_ptr, logit_ptr, M, n_real, n_tiles, K: tl.constexpr,
+    BLOCK_M: tl.constexpr, TILE: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PROGRAMS: tl.constexpr,
+):  # fmt: skip
+    """``fused_head_kernel`` on a GPU with tensor-memory access: the same tiles, K order and epilogue, with
+    the operands fetched by TMA descriptors (zero past the edges) and ``PROGRAMS`` persistent programs each
+    walking tiles in launch order. Which program takes a tile never changes the tile's arithmetic."""
+    grid_m = tl.cdiv(M, BLOCK_M)
+    group = GROUP_M * n_tiles
+    for pid in tl.range(tl.program_id(0), grid_m * n_tiles, PROGRAMS, flatten=True):
+        first_m = (pid // group) * GROUP_M
+        group_rows = min(grid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % group) % group_rows
+        tile = (pid % group) // group_rows
+        acc = tl.zeros((BLOCK_M, TILE), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = a_desc.load([pid_m * BLOCK_M, k0])
+            b = b_desc.load([tile * TILE, k0])
+            acc = tl.dot(a, b.T, acc, input_precision="ieee")
+        rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        rn = (tile * TILE + tl.arange(0, TILE)).to(tl.int64)
+        x = tl.where(rn[None, :] < n_real, acc, float("-inf"))
+        m = tl.max(x, axis=1)
+        shift = tl.where(m == float("-inf"), 0.0, m)
+        s = tl.sum(tl.exp(x - shift[:, None]), axis=1)
+        live = rm < M
+        tl.store(max_ptr + rm * n_tiles + tile, m, mask=live)
+        tl.store(sum_ptr + rm * n_tiles + tile, s, mask=live)
+        target = tl.load(target_ptr + rm, mask=live, other=-1)
+        picked = tl.max(tl.where(rn[None, :] == target[:, None], x, float("-inf")), axis=1)
+        mine = live & (target >= tile * TILE) & (target < tile * TILE + TILE)
+        tl.store(logit_ptr + rm, picked, mask=mine)
