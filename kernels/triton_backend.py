@@ -152,9 +152,10 @@ class TritonBackend:
         return ShardPartials(maxes, sums, target, owned), observe("logprob", self.id, sums, interpreted=interpreted)
 
     def merge(self, partials: Sequence[ShardPartials]) -> tuple[torch.Tensor, NodeProvenance]:
-        # Ranks hold contiguous shards in rank order, so concatenation is global tile order.
-        maxes = torch.cat([p.maxes for p in partials], dim=1).contiguous()
-        sums = torch.cat([p.sumexps for p in partials], dim=1).contiguous()
+        # Ranks hold contiguous shards in rank order, so concatenation is global tile order (one rank: no copy).
+        maxes = torch.cat([p.maxes for p in partials], dim=1) if len(partials) > 1 else partials[0].maxes
+        sums = torch.cat([p.sumexps for p in partials], dim=1) if len(partials) > 1 else partials[0].sumexps
+        maxes, sums = maxes.contiguous(), sums.contiguous()
         kernels_module, interpreted = _load_kernels(maxes.device)
         rows, n_tiles = maxes.shape
         lse = torch.empty((rows,), dtype=torch.float32, device=maxes.device)

@@ -98,7 +98,7 @@ FUSED_CASES = [(4096, None), (3001, None), (50257, None), *((3001, seed) for see
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("vocab", "seed"), FUSED_CASES)
-def test_the_fused_head_is_as_accurate_as_fp32_logits_allow(dtype, vocab, seed, device, make_inputs):
+def test_triton_fused_head_is_as_accurate_as_fp32_logits_allow(dtype, vocab, seed, device, make_inputs):
     """The fused head keeps its logits in fp32, so it is judged by the fp32-logits bound, ~300x tighter than bf16's."""
     skip_unless_runnable("triton_fused", device)
     inp = make_inputs(24, 96, vocab, dtype, device, seed=seed)
