@@ -8,12 +8,15 @@ its contract's spec. The per-rank work and the merge are in ``kernels.ranks``; r
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from kernels.backend import get_backend
+from kernels.backend import LogprobBackend, get_backend
 from kernels.contract import TP_MODES
 from kernels.distributed import run_distributed
 from kernels.errors import KernelInputError, NonFiniteOutputError, ShapeMismatchError
+from kernels.grad import TiledLogprobBackward
 from kernels.provenance import NodeProvenance, call_node
 from kernels.ranks import LogprobResult, check_vocab_tile, finish, rank_forward, rank_logprob, require_finite
 from kernels.sharding import ShardingSpec
@@ -95,9 +98,27 @@ def sharded_lm_head_logprob(
         )
     check_vocab_tile(impl, sharding.vocab_tile, hidden.device)
     check_target_range(targets, sharding.vocab_size)
+    wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if tp_mode == "distributed":
+        if wants_grad:  # the rank processes' results carry no graph: a silent no-gradient would be wrong
+            raise KernelInputError(
+                "tp_mode='distributed' computes no gradient; run the backward with tp_mode='emulated' (the same "
+                "bits), or call under torch.no_grad()"
+            )
         result = run_distributed(backend, hidden, weight, targets, sharding)
-    else:
-        ranks = [rank_forward(impl, hidden, weight, targets, sharding.for_rank(r)) for r in range(sharding.world_size)]
-        result = finish(impl, targets, sharding, ranks, tp_mode="emulated")
+    elif wants_grad and getattr(impl, "tiled_backward", False):
+        with torch.no_grad():
+            result = emulated(impl, hidden, weight, targets, sharding)
+        logp, lse = TiledLogprobBackward.apply(hidden, weight, result.logp, result.lse, targets, impl, sharding)
+        result = replace(result, logp=logp, lse=lse)
+    else:  # a backend made of torch ops differentiates through them
+        result = emulated(impl, hidden, weight, targets, sharding)
     return require_finite(result, hidden.dtype)  # in the caller's process: typed in both tp modes
+
+
+def emulated(
+    impl: LogprobBackend, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, sharding: ShardingSpec
+) -> LogprobResult:
+    """Every rank's forward in this process, one after the other, then the merge."""
+    ranks = [rank_forward(impl, hidden, weight, targets, sharding.for_rank(r)) for r in range(sharding.world_size)]
+    return finish(impl, targets, sharding, ranks, tp_mode="emulated")

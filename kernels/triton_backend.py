@@ -100,6 +100,11 @@ def _load_kernels(device: torch.device) -> tuple[ModuleType, bool]:
 class TritonBackend:
     id: str
     checks_finite_logits = True  # a non-finite logit makes its tile's sum NaN (tile_partials_kernel)
+    tiled_backward = True  # autograd cannot see the kernels: kernels.grad differentiates tile by tile
+
+    def gradient_matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """a[M, K] @ b[N, K].T in fp32 through the invariant matmul: a row's bits never depend on the others."""
+        return self.invariant_matmul(a.float(), b.float(), torch.float32)[0]
 
     def matmul(self, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, NodeProvenance]:
         return self.invariant_matmul(hidden, weight, hidden.dtype)

@@ -15,6 +15,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+CONTRACT = Path(__file__).parent.parent / "conf" / "contract" / "v2.yaml"  # the shipped default contract
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 LOGIT_STD = 4.0  # realistic lm_head logits have std 3-5 and a peaked softmax
 
@@ -107,3 +109,13 @@ def small_sweep(tmp_path_factory) -> Path:
     done = multirun(sweep_dir, *SMALL_SWEEP)
     assert done.returncode == 2, done.stdout + done.stderr
     return sweep_dir
+
+
+def contract_row(judgment: str, tensor: str, dtype: torch.dtype, op_class: str | None = None) -> dict:
+    """The shipped contract's row for ``judgment`` (docs/contract.md), read as plain YAML: the kernel tests take
+    their thresholds from the contract without importing rlsweep. ``op_class``: for rows keyed by one."""
+    import yaml
+
+    rows = yaml.safe_load(CONTRACT.read_text())["judgments"][judgment]["rows"]
+    row = rows[tensor][str(dtype).removeprefix("torch.")]
+    return row if op_class is None else row[op_class]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import LOGIT_STD, triton_runs_on
+from conftest import LOGIT_STD, contract_row, triton_runs_on
 
 import kernels
 
@@ -19,8 +19,11 @@ SEEDS = [1455782583, 1417221581, *range(1, 29)]
 
 
 def assert_within_bound(result, reference, inp, dtype: torch.dtype) -> None:
+    """The contract's forward_accuracy row for this op class (logits rounded to ``dtype``), token by token."""
     bound = kernels.rounding_bound(inp.hidden, inp.weight, inp.targets, logits_dtype=dtype)
     for tensor in ("logp", "lse"):
+        row = contract_row("forward_accuracy", tensor, inp.hidden.dtype, f"logits_{kernels.dtype_name(dtype)}")
+        assert row == {"mode": "rounding_model"}, f"the contract's {tensor} row is {row}; this test judges by the model"
         err = (getattr(result, tensor).double().cpu() - getattr(reference, tensor).cpu()).abs()
         allowed = getattr(bound, tensor)
         worst = int((err / allowed).nan_to_num(nan=float("inf")).argmax())

@@ -1,0 +1,139 @@
+"""Gradients of the lm_head logprob: against float64, bitwise invariant where the forward is, correct on shards
+that do not own the target (docs/kernels.md, "Gradients")."""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+import torch
+from conftest import contract_row, triton_runs_on
+
+import kernels
+
+HIDDEN, VOCAB, TILE = 48, 700, 128
+DIFFERENTIABLE = ["reference", "aten", "triton", "triton_fused"]
+INVARIANT = ["triton", "triton_fused"]
+
+
+def gold(hidden, weight, targets, up_logp, up_lse):
+    """d hidden, d weight of sum(up_logp * logp + up_lse * lse) by float64 autograd of the plain formula."""
+    h = hidden.detach().double().requires_grad_(True)
+    w = weight.detach().double().requires_grad_(True)
+    logits = h @ w.T
+    lse = torch.logsumexp(logits, dim=-1)
+    active = targets != kernels.IGNORE_INDEX
+    logp = torch.where(active, logits.gather(1, targets.clamp(min=0)[:, None]).squeeze(1) - lse, 0.0)
+    (logp * up_logp.double() + lse * up_lse.double()).sum().backward()
+    return h.grad, w.grad
+
+
+def backend_grads(backend, inp, up_logp, up_lse, *, tp=1, rows=None):
+    h = inp.hidden.clone().requires_grad_(True)
+    w = inp.weight.clone().requires_grad_(True)
+    pick = slice(None) if rows is None else rows
+    result = kernels.lm_head_logprob(h[pick], w, inp.targets[pick], backend=backend, tp=tp, vocab_tile=TILE)
+    (result.logp * up_logp[pick] + result.lse * up_lse[pick]).sum().backward()
+    return h.grad, w.grad
+
+
+def skip_unless_runnable(backend: str, device: str) -> None:
+    if backend.startswith("triton") and not triton_runs_on(device):
+        pytest.skip("triton needs CUDA or TRITON_INTERPRET=1")
+
+
+def upstream(rows: int, device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, generator=gen).to(device), torch.randn(rows, generator=gen).to(device)
+
+
+def test_the_float64_gold_is_the_gradient_gradcheck_finds():
+    gen = torch.Generator().manual_seed(0)
+    targets = torch.tensor([3, kernels.IGNORE_INDEX, 0, 7])
+
+    def loss(h, w):
+        logits = h @ w.T
+        lse = torch.logsumexp(logits, dim=-1)
+        logp = torch.where(targets >= 0, logits.gather(1, targets.clamp(min=0)[:, None]).squeeze(1) - lse, 0.0)
+        return logp * torch.tensor([0.5, 2.0, -1.0, 1.5], dtype=torch.float64) + lse
+
+    h = torch.randn(4, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(9, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: loss(a, b).sum(), (h, w))
+
+
+# (backend, execution dtype) whose logits are fp32 or wider. The contract's gradient rows are provisional figures
+# that assume it (conf/contract/v2.yaml); with logits rounded to bf16 (aten, triton at bf16) the error is larger
+# (measured here up to 0.03 absolute at |d hidden| <= 2.4) and no row covers it yet.
+FP32_LOGITS = [("reference", torch.bfloat16), ("triton_fused", torch.bfloat16)]
+FP32_LOGITS += [(backend, torch.float32) for backend in DIFFERENTIABLE]
+
+
+@pytest.mark.parametrize(("backend", "dtype"), FP32_LOGITS)
+@pytest.mark.parametrize("tp", [1, 3])
+def test_gradients_are_within_the_contract_of_float64(backend, dtype, tp, device, make_inputs):
+    skip_unless_runnable(backend, device)
+    inp = make_inputs(13, HIDDEN, VOCAB, dtype, device)
+    inp.targets[4] = kernels.IGNORE_INDEX
+    up_logp, up_lse = upstream(13, device, inp.seed)
+    want = gold(inp.hidden, inp.weight, inp.targets, up_logp, up_lse)
+    got = backend_grads(backend, inp, up_logp, up_lse, tp=tp)
+    for name, g, w in zip(("grad_hidden", "grad_weight"), got, want, strict=True):
+        assert g.dtype == dtype
+        row = contract_row("gradient_accuracy", name, dtype)
+        assert row["mode"] == "tolerance"
+        err = (g.double().cpu() - w.cpu()).abs()
+        allowed = row["atol"] + row["rtol"] * w.abs().cpu()
+        worst = int((err - allowed).argmax())
+        assert bool((err <= allowed).all()), f"{name} off by {err.flatten()[worst]:.3g} (seed {inp.seed})"
+
+
+@pytest.mark.parametrize("backend", INVARIANT)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_gradients_are_bitwise_the_same_at_every_tp(backend, dtype, device, make_inputs):
+    skip_unless_runnable(backend, device)
+    inp = make_inputs(11, HIDDEN, VOCAB, dtype, device)
+    up_logp, up_lse = upstream(11, device, inp.seed)
+    base = backend_grads(backend, inp, up_logp, up_lse, tp=1)
+    for tp in (2, 4, 8):
+        sharded = backend_grads(backend, inp, up_logp, up_lse, tp=tp)
+        for name, a, b in zip(("d hidden", "d weight"), base, sharded, strict=True):
+            index = kernels.first_bit_difference(a, b)
+            assert index is None, f"{name} element {index} differs at tp={tp} (seed {inp.seed})"
+
+
+@pytest.mark.parametrize("backend", INVARIANT)
+def test_a_rows_d_hidden_does_not_depend_on_the_other_rows_of_the_call(backend, device, make_inputs):
+    skip_unless_runnable(backend, device)
+    inp = make_inputs(40, HIDDEN, VOCAB, torch.bfloat16, device)
+    up_logp, up_lse = upstream(40, device, inp.seed)
+    rng = secrets.SystemRandom()
+    row = rng.randrange(40)
+    alone = backend_grads(backend, inp, up_logp, up_lse, rows=torch.tensor([row], device=device))[0]
+    for count in (2, rng.randint(3, 39), 40):
+        start = rng.randint(max(0, row - count + 1), min(row, 40 - count))
+        among = backend_grads(backend, inp, up_logp, up_lse, rows=torch.arange(start, start + count, device=device))
+        index = kernels.first_bit_difference(alone[row], among[0][row])
+        assert index is None, f"d hidden of row {row} changed among rows {start}..{start + count} (seed {inp.seed})"
+
+
+@pytest.mark.parametrize("backend", DIFFERENTIABLE)
+def test_shards_that_do_not_own_the_target_get_the_softmax_gradient(backend, make_inputs):
+    """tp = 2 with every target in rank 0's shard: rank 1's weight rows still get -g * p (emulated ranks)."""
+    skip_unless_runnable(backend, "cpu")
+    inp = make_inputs(6, HIDDEN, VOCAB, torch.float32, "cpu")
+    inp.targets[:] = torch.arange(6) * 7  # all below the split at 384
+    up_logp, up_lse = upstream(6, "cpu", inp.seed)
+    up_lse.zero_()
+    d_weight = backend_grads(backend, inp, up_logp, up_lse, tp=2)[1]
+    want = gold(inp.hidden, inp.weight, inp.targets, up_logp, up_lse)[1]
+    split = kernels.ShardingSpec.even(VOCAB, TILE, 2).bounds[1][0]
+    assert bool((d_weight[split:].abs().sum(dim=1) > 0).all()), "a non-owner shard got no gradient"
+    torch.testing.assert_close(d_weight[split:].double(), want[split:], rtol=1e-4, atol=1e-6)
+
+
+def test_distributed_ranks_refuse_a_backward_instead_of_returning_no_gradient(make_inputs):
+    inp = make_inputs(4, HIDDEN, VOCAB, torch.float32, "cpu")
+    hidden = inp.hidden.clone().requires_grad_(True)
+    with pytest.raises(kernels.KernelInputError, match="tp_mode='distributed' computes no gradient"):
+        kernels.lm_head_logprob(hidden, inp.weight, inp.targets, backend="aten", tp=2, tp_mode="distributed")
