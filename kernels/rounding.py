@@ -89,3 +89,70 @@ def rounding_bound(
         lse_parts.append((spread + arithmetic).cpu())
         logp_parts.append(torch.where(active, e_t + spread + arithmetic, torch.zeros_like(spread)).cpu())
     return RoundingBound(torch.cat(logp_parts), torch.cat(lse_parts))
+
+
+@dataclass(frozen=True)
+class GradientBound:
+    """Float64 bounds on |candidate - reference| of d hidden [T, H] and d weight [V, H] (on the CPU)."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+
+
+def gradient_bound(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    g_logp: torch.Tensor,
+    g_lse: torch.Tensor,
+    *,
+    logits_dtype: torch.dtype,
+) -> GradientBound:
+    """How far the gradient of sum(g_logp * logp + g_lse * lse) may be from float64 (docs/contract.md).
+
+    d logits_v = g_logp * [v = target] + (g_lse - g_logp) * p_v, then d hidden = d logits @ W and d weight =
+    d logits.T @ h. With the logit errors e_v (``logit_errors``) and the lse bound b (``rounding_bound``):
+
+        |p~_v - p_v|        <= p_v (exp(e_v + b + 4u (|x_v| + |lse| + e_v + b)) (1 + 16u) - 1)     =: dp_v
+        |dlogits~_v - ...|  <= (1 + 2u) |c| dp_v + 3u |c| (p_v + dp_v) + u |g_logp| [v = t]         =: D_v
+                               (+ half an ulp of logits_dtype, where the logits' gradient is stored in it)
+        d hidden_j          <= sum_v D_v |W_vj| + gamma(V + 1) sum_v (|dlogits_v| + D_v) |W_vj|
+        d weight_vj         <= sum_t D_tv |h_tj| + gamma(T + 1) sum_t (|dlogits_tv| + D_tv) |h_tj|
+
+    plus half an ulp of the gradient's own dtype (the inputs') at the value. u = 2**-24, c = g_lse - g_logp.
+    """
+    u = FP32_UNIT_ROUNDOFF
+    h, w = hidden.double(), weight.double()
+    rows, vocab = h.shape[0], w.shape[0]
+    active = targets != IGNORE_INDEX
+    g_logp = torch.where(active, g_logp.double(), 0.0)
+    scale = g_lse.double() - g_logp
+    lse_bound = rounding_bound(hidden, weight, targets, logits_dtype=logits_dtype).lse.to(h.device)
+    d_hidden = torch.zeros_like(h)
+    bound_hidden = torch.zeros_like(h)
+    d_weight = torch.zeros_like(w)
+    bound_weight = torch.zeros_like(w)
+    chunk = max(1, BOUND_CHUNK_ELEMENTS // max(vocab, 1))
+    for part in torch.split(torch.arange(rows, device=h.device), chunk):
+        x, e = logit_errors(hidden[part], weight, logits_dtype)
+        lse = torch.logsumexp(x, dim=1, keepdim=True)
+        p = torch.exp(x - lse)
+        b = lse_bound[part][:, None]
+        exponent = e + b + 4 * u * (x.abs() + lse.abs() + e + b)
+        dp = p * (torch.exp(exponent) * (1 + 16 * u) - 1)
+        c = scale[part][:, None]
+        onehot = torch.zeros_like(x)
+        owned = active[part]
+        onehot[owned, targets[part][owned]] = 1.0
+        d_logits = g_logp[part][:, None] * onehot + c * p
+        spread = (1 + 2 * u) * c.abs() * dp + 3 * u * c.abs() * (p + dp) + u * g_logp[part].abs()[:, None] * onehot
+        if SIGNIFICAND_BITS[logits_dtype] < SIGNIFICAND_BITS[torch.float32]:
+            spread = spread + half_ulp(d_logits.abs() + spread, logits_dtype)
+        magnitude = d_logits.abs() + spread
+        d_hidden[part] = d_logits @ w
+        bound_hidden[part] = spread @ w.abs() + gamma(vocab + 1) * (magnitude @ w.abs())
+        d_weight += d_logits.T @ h[part]
+        bound_weight += spread.T @ h[part].abs() + gamma(rows + 1) * (magnitude.T @ h[part].abs())
+    bound_hidden = bound_hidden + half_ulp(d_hidden.abs() + bound_hidden, hidden.dtype)
+    bound_weight = bound_weight + half_ulp(d_weight.abs() + bound_weight, weight.dtype)
+    return GradientBound(bound_hidden.cpu(), bound_weight.cpu())
