@@ -16,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from rlsweep import CONF_DIR
 from rlsweep.callbacks import SESSION, require_callback
 from rlsweep.check import gate_directory
 from rlsweep.config import register_configs, run_spec, saved_config_sha256
@@ -35,7 +36,7 @@ class JobFailed(RlsweepError):
     """A sweep job that stopped on an error: Hydra's sweeper re-raises it once the batch is done (exit 1)."""
 
 
-@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def app(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.RUN:  # its error is this process's one line, not Hydra's "Error executing job"

@@ -10,7 +10,6 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -19,6 +18,7 @@ import torch
 import yaml
 
 import kernels
+from rlsweep import CONF_DIR
 from rlsweep.errors import ContractError
 from rlsweep.manifest import canonical_sha256
 from rlsweep.mismatch import ALIAS_OF, BY_NAME, METRIC_NAMES, ActiveTokens
@@ -206,7 +206,7 @@ class Contract:
 
 def default_contract_path(name: str = DEFAULT_CONTRACT) -> Path:
     """The packaged ``conf/contract/<name>.yaml``."""
-    return Path(str(resources.files("conf").joinpath("contract", f"{name}.yaml")))
+    return CONF_DIR / "contract" / f"{name}.yaml"
 
 
 class ContractLoader(yaml.SafeLoader):

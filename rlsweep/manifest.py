@@ -15,13 +15,13 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 import kernels
+from rlsweep import CONF_DIR
 from rlsweep.environment import git_commit
 from rlsweep.errors import ReplayInputError, TablesNotFoundError
 from rlsweep.tables import RUN_TABLES, RunLocation, remove_tables, write_tables
@@ -71,7 +71,7 @@ def code_version() -> dict[str, Any]:
     roots = {
         "kernels": Path(kernels.__file__).parent,
         "rlsweep": Path(__file__).parent,
-        "conf": Path(str(resources.files("conf"))),
+        "conf": CONF_DIR,
     }
     digest = hashlib.sha256()
     for package, root in roots.items():

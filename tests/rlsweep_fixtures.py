@@ -80,11 +80,13 @@ class Completed:
 WITHOUT_CUDA = {"CUDA_VISIBLE_DEVICES": ""}
 
 
-def run_rlsweep(directory: Path, *overrides: str, env: dict[str, str] | None = None) -> Completed:
+def run_rlsweep(
+    directory: Path, *overrides: str, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> Completed:
     """A real ``python -m rlsweep`` subprocess writing into ``directory`` (``env``: added variables)."""
     command = [sys.executable, "-m", "rlsweep", f"hydra.run.dir={directory}", *overrides]
     environment = {**os.environ, **(env or {})}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment, cwd=cwd)
     return Completed(done.returncode, done.stdout, done.stderr, directory)
 
 

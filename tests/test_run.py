@@ -50,7 +50,12 @@ def assert_bitwise_across_cells(tokens: pd.DataFrame) -> None:
 
 
 def test_default_run_writes_both_tables_and_passes(tmp_path):
-    done = run_rlsweep(tmp_path)
+    # Run from a project of one's own whose conf/ folder must not shadow the shipped configs.
+    project = tmp_path / "project"
+    (project / "conf" / "profile").mkdir(parents=True)
+    (project / "conf" / "profile" / "cpu_bf16.yaml").write_text("name: not_the_shipped_profile\n")
+    tmp_path = tmp_path / "run"
+    done = run_rlsweep(tmp_path, cwd=project)
     assert done.returncode == 0, done.stderr
     assert verify_run(tmp_path).complete, verify_run(tmp_path).reason
     tokens, checks = read(tmp_path)
