@@ -61,7 +61,7 @@ from kernels.provenance import (
     require_provenance,
 )
 from kernels.ranks import LogprobResult
-from kernels.rounding import RoundingBound, rounding_bound
+from kernels.rounding import GradientBound, RoundingBound, gradient_bound, rounding_bound
 from kernels.sharding import ShardingSpec, padded_vocab_size
 from kernels.validation import EXECUTION_DTYPES, IGNORE_INDEX, dtype_name
 
@@ -78,6 +78,7 @@ __all__ = [
     "DeterminismScope",
     "DispatchPolicy",
     "DtypeMismatchError",
+    "GradientBound",
     "ImplementationKind",
     "KernelInputError",
     "KernelLaunch",
@@ -112,6 +113,7 @@ __all__ = [
     "dtype_name",
     "first_bit_difference",
     "get_logprob_op",
+    "gradient_bound",
     "launch_torch",
     "launch_triton",
     "lm_head_logprob",

@@ -93,10 +93,13 @@ def rounding_bound(
 
 @dataclass(frozen=True)
 class GradientBound:
-    """Float64 bounds on |candidate - reference| of d hidden [T, H] and d weight [V, H] (on the CPU)."""
+    """Float64 bounds on |candidate - reference| of d hidden [T, H] and d weight [V, H], and the float64
+    reference gradients themselves (all on the CPU)."""
 
     hidden: torch.Tensor
     weight: torch.Tensor
+    reference_hidden: torch.Tensor
+    reference_weight: torch.Tensor
 
 
 def gradient_bound(
@@ -155,4 +158,4 @@ def gradient_bound(
         bound_weight += spread.T @ h[part].abs() + gamma(rows + 1) * (magnitude.T @ h[part].abs())
     bound_hidden = bound_hidden + half_ulp(d_hidden.abs() + bound_hidden, hidden.dtype)
     bound_weight = bound_weight + half_ulp(d_weight.abs() + bound_weight, weight.dtype)
-    return GradientBound(bound_hidden.cpu(), bound_weight.cpu())
+    return GradientBound(bound_hidden.cpu(), bound_weight.cpu(), d_hidden.cpu(), d_weight.cpu())

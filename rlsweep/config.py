@@ -131,6 +131,7 @@ class RunConfig:
     tp: int = 1
     tp_mode: str = "emulated"  # emulated | distributed
     seed: int = 0
+    grad: bool = False  # also differentiate the logprob and judge the gradients (gradient_* verdicts)
     expected_red: list[ExpectedVerdictConfig] = field(default_factory=list)  # sweep-level declarations
     tables_dir: str | None = None  # default: the Hydra run's output dir
 

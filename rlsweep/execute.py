@@ -31,13 +31,16 @@ LogprobCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], kernels.Logpr
 
 @dataclass(frozen=True)
 class CellResult:
-    """One cell's outputs restored to logical order: logp/lse [T] (CPU), owner_rank [T], per-call provenance."""
+    """One cell's outputs restored to logical order: logp/lse [T] (CPU), owner_rank [T], per-call provenance;
+    with an upstream gradient, d hidden [T, H] (fp32, CPU) and d weight [V, H] summed over the calls (fp32)."""
 
     cell: Cell
     logp: torch.Tensor
     lse: torch.Tensor
     owner_rank: torch.Tensor
     provenance: tuple[kernels.Provenance, ...]
+    grad_hidden: torch.Tensor | None = None
+    grad_weight: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -64,14 +67,38 @@ def call_inputs(call: Call, workload: Workload, filler: Filler) -> tuple[torch.T
     return hidden, targets
 
 
-def run_cell(cell: Cell, workload: Workload, weight: torch.Tensor, filler: Filler, compute: LogprobCall) -> CellResult:
-    """Every call of the cell, then logical order; kernels' typed errors propagate unchanged."""
-    logps, lses, owners, provenance = [], [], [], []
+def run_cell(
+    cell: Cell,
+    workload: Workload,
+    weight: torch.Tensor,
+    filler: Filler,
+    compute: LogprobCall,
+    upstream: torch.Tensor | None = None,
+) -> CellResult:
+    """Every call of the cell, then logical order; kernels' typed errors propagate unchanged.
+
+    ``upstream`` [T]: differentiate sum(upstream * logp) too; pad and filler rows get 0, so only the logical
+    tokens' own gradients reach d weight.
+    """
+    logps, lses, owners, provenance, hidden_grads = [], [], [], [], []
+    weight_grad = None
     for call in cell.calls:
         hidden, targets = call_inputs(call, workload, filler)
-        result = compute(hidden, weight, targets)
-        logps.append(result.logp.cpu())
-        lses.append(result.lse.cpu())
+        if upstream is None:
+            result = compute(hidden, weight, targets)
+        else:
+            hidden = hidden.detach().requires_grad_(True)
+            leaf = weight.detach().requires_grad_(True)
+            result = compute(hidden, leaf, targets)
+            logical = call.logical != NONE
+            g = torch.zeros(call.rows, dtype=torch.float32)
+            g[logical] = upstream[call.logical[logical]]
+            (result.logp * g.to(result.logp.device)).sum().backward()
+            hidden_grads.append(hidden.grad.float().cpu())
+            grad = leaf.grad.float()
+            weight_grad = grad if weight_grad is None else weight_grad + grad  # calls in order
+        logps.append(result.logp.detach().cpu())
+        lses.append(result.lse.detach().cpu())
         owners.append(result.owner_rank.cpu())
         provenance.append(result.provenance)
     total = workload.num_tokens
@@ -81,6 +108,8 @@ def run_cell(cell: Cell, workload: Workload, weight: torch.Tensor, filler: Fille
         lse=restore_logical_order(cell, lses, total),
         owner_rank=restore_logical_order(cell, owners, total),
         provenance=tuple(provenance),
+        grad_hidden=restore_logical_order(cell, hidden_grads, total) if upstream is not None else None,
+        grad_weight=None if weight_grad is None else weight_grad.cpu(),
     )
 
 
@@ -133,7 +162,9 @@ def peak_bytes(spec: RunSpec, shape: WorkloadShape) -> Footprint:
       input T*H*e, and float64 logits [T, V] with two working arrays of that size (x - max, exp);
     - the largest kernel call: its input R*H*e, every rank's logits [R, V] in the execution dtype, three fp32
       working arrays [R, V] (upcast, x - max, exp: the stock path's need, above Triton's) and the fp32
-      per-tile partials (max, sum) [R, V_pad / vocab_tile].
+      per-tile partials (max, sum) [R, V_pad / vocab_tile];
+    - with grad=true: the canonical cell's fp32 d weight, held; a call's backward (d weight in fp32 and in the
+      execution dtype, the cell's running fp32 sum); the float64 gradients and bounds of ``kernels.gradient_bound``.
 
     Not counted: reading a weight or replay file (as stored, then cast; the reference phase is larger unless
     the file is float64 and pads its vocab), copies a CUDA run keeps on the host (the target CDF, the
@@ -167,6 +198,17 @@ def peak_bytes(spec: RunSpec, shape: WorkloadShape) -> Footprint:
     }
     if model.weights.kind == "synthetic":
         phases["weight generation"] = weight + normal_matrix_bytes(min(GENERATION_ROWS, vocab), hidden)
+    if spec.grad:
+        # The canonical cell's d weight (fp32) is held; kernels.gradient_bound holds float64 copies of the inputs,
+        # d weight and its bound, and working arrays [rows, V] for a chunk of rows (up to all T).
+        resident["canonical d weight"] = vocab * hidden * FLOAT32_BYTES
+        phases["gradient gold and bounds"] = (
+            weight64 * 3 + tokens * hidden * FLOAT64_BYTES * 3 + 8 * tokens * vocab * FLOAT64_BYTES
+        )
+        # A call's backward: d weight in fp32 and in the execution dtype, the running cell sum, the call's d hidden.
+        phases[f"backward of the call of {rows} rows"] = (
+            vocab * hidden * (2 * FLOAT32_BYTES + itemsize) + rows * hidden * 2 * FLOAT32_BYTES
+        )
     if synthetic_workload:
         phases["target sampling"] = (
             weight64 + active * hidden * FLOAT64_BYTES + WORKING_ARRAYS * active * vocab * FLOAT64_BYTES

@@ -42,7 +42,7 @@ from rlsweep.tables import (
     read_table,
     write_tables,
 )
-from rlsweep.verdicts import FORWARD_TENSORS, REPORTED_ONLY, SWEEP_JUDGMENTS, Judgment, Verdict, as_expected
+from rlsweep.verdicts import FORWARD_TENSORS, REPORTED_ONLY, SWEEP_JUDGMENTS, Judgment, Tensor, Verdict, as_expected
 
 MULTIRUN_FILE = "multirun.yaml"  # Hydra's record of a sweep: its sweeper, parameters and overrides
 JOBS_FILE = "jobs.json"  # every job's overrides, written at the sweep's start (rlsweep.callbacks)
@@ -346,7 +346,38 @@ def tp_invariance(lhs: RunTables, baseline: RunTables) -> list[Verdict]:
     scope = lhs.config["profile"]["determinism_scope"]
     cells = [cell for cell in lhs.tokens["cell"].unique() if cell in set(baseline.tokens["cell"])]
     verdicts = [v for cell in cells for v in compare_cell(Judgment.TP_INVARIANCE, lhs, baseline, cell, scope)]
+    if scope == kernels.DeterminismScope.CROSS_TP_BITWISE:
+        verdicts += [v for cell in cells if (v := gradient_tp_invariance(lhs, baseline, cell)) is not None]
     return apply_expected(verdicts, lhs.expected_red)
+
+
+def gradient_tp_invariance(lhs: RunTables, baseline: RunTables, cell: str) -> Verdict | None:
+    """grad=true runs: every active token's d hidden bits (by the tokens table's grad_bits) the same as the
+    baseline's; None where either run did not differentiate. A missing fingerprint counts as a difference."""
+    keys = ["sample_id", "position"]
+    sides = [run.tokens.loc[(run.tokens["cell"] == cell) & run.tokens["active"], [*keys, "grad_bits"]]
+             for run in (lhs, baseline)]  # fmt: skip
+    if any(side["grad_bits"].isna().all() for side in sides):
+        return None
+    joined = sides[0].merge(sides[1], on=keys, suffixes=("_lhs", "_rhs"), validate="one_to_one").sort_values(keys)
+    differ = (joined["grad_bits_lhs"] != joined["grad_bits_rhs"]) | joined["grad_bits_lhs"].isna()
+    first = joined[differ].iloc[0] if differ.any() else None
+    count = int(differ.sum())
+    return Verdict(
+        Judgment.GRADIENT_INVARIANCE,
+        Tensor.GRAD_HIDDEN,
+        *lhs.contract.roles_for(Judgment.GRADIENT_INVARIANCE),
+        cell,
+        cell,
+        metric="mismatched_tokens",
+        value=float(count),
+        threshold=0.0,
+        passed=count == 0 and len(joined) > 0,
+        first_sample_id=None if first is None else int(first["sample_id"]),
+        first_position=None if first is None else int(first["position"]),
+        detail=f"{lhs.label} vs {baseline.label} ({baseline.run['run_id']}); bitwise d hidden by each token's "
+        f"grad_bits: {count} of {len(joined)} active tokens differ",
+    )
 
 
 def backend_parity(lhs: RunTables, rhs: RunTables) -> list[Verdict]:

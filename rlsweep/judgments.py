@@ -18,7 +18,7 @@ from rlsweep.contract import ROUNDING_MODEL, Contract, Tolerance
 from rlsweep.execute import CellResult
 from rlsweep.mismatch import METRICS, ActiveTokens
 from rlsweep.spec import CHAIN_ROLES, DECODE_CELL, DECODE_PARITY_ROLES, ExpectedRed
-from rlsweep.verdicts import FORWARD_TENSORS, NO_CELL, REPORTED_ONLY, RUN_JUDGMENTS, Judgment, Verdict
+from rlsweep.verdicts import FORWARD_TENSORS, NO_CELL, REPORTED_ONLY, RUN_JUDGMENTS, Judgment, Tensor, Verdict
 from rlsweep.workload import Workload
 
 NOT_RUN = "not_run"  # the metric of a row whose judgment provenance prevented
@@ -216,6 +216,54 @@ def judge_cells(
     return verdicts
 
 
+def judge_gradients(
+    results: Sequence[CellResult], workload: Workload, gold: kernels.GradientBound, standard: Standard
+) -> list[Verdict]:
+    """grad=true: every cell's d hidden against float64 within the model's bound and, bitwise, against the
+    canonical cell's; the canonical cell's d weight against float64 (docs/index.md, "Gradients")."""
+    if not results:
+        return []
+    canonical = results[0]
+    rows = torch.nonzero(workload.active)[:, 0]
+    width = gold.reference_hidden.shape[1]
+    keys = (workload.sample_ids[rows].repeat_interleave(width), workload.positions[rows].repeat_interleave(width))
+
+    def token_rows(t: torch.Tensor) -> torch.Tensor:
+        return t[rows].reshape(-1)
+
+    verdicts = []
+    for result in results:
+        cells = (result.cell.name, result.cell.name)
+        verdicts.append(compare_tokens(
+            Judgment.GRADIENT_ACCURACY, Tensor.GRAD_HIDDEN, standard.contract.roles_for(Judgment.GRADIENT_ACCURACY),
+            cells, token_rows(result.grad_hidden.double()), token_rows(gold.reference_hidden),
+            standard.row(Judgment.GRADIENT_ACCURACY, Tensor.GRAD_HIDDEN), keys, token_rows(gold.hidden),
+        ))  # fmt: skip
+    for result in results[1:]:
+        verdicts.append(compare_tokens(
+            Judgment.GRADIENT_INVARIANCE, Tensor.GRAD_HIDDEN, standard.contract.roles_for(Judgment.GRADIENT_INVARIANCE),
+            (result.cell.name, canonical.cell.name), token_rows(result.grad_hidden), token_rows(canonical.grad_hidden),
+            standard.row(Judgment.GRADIENT_INVARIANCE, Tensor.GRAD_HIDDEN), keys,
+        ))  # fmt: skip
+    vocab_rows = torch.arange(gold.reference_weight.shape[0]).repeat_interleave(gold.reference_weight.shape[1])
+    weight = compare_tokens(
+        Judgment.GRADIENT_ACCURACY,
+        Tensor.GRAD_WEIGHT,
+        standard.contract.roles_for(Judgment.GRADIENT_ACCURACY),
+        (canonical.cell.name, canonical.cell.name),
+        canonical.grad_weight.double().reshape(-1),
+        gold.reference_weight.reshape(-1),
+        standard.row(Judgment.GRADIENT_ACCURACY, Tensor.GRAD_WEIGHT),
+        (vocab_rows, torch.arange(vocab_rows.numel()) % gold.reference_weight.shape[1]),
+        gold.weight.reshape(-1),
+    )
+    # The first difference is a (vocab row, column), not a token: say so in the detail, not in the token columns.
+    detail = weight.detail.replace("active tokens", "elements").replace("(sample_id=", "(vocab row=")
+    verdicts.append(replace(weight, detail=detail.replace(", position=", ", column="), first_sample_id=None,
+                            first_position=None))  # fmt: skip
+    return [replace(v, detail=v.detail.replace("active tokens", "elements")) for v in verdicts[:-1]] + verdicts[-1:]
+
+
 def provenance_verdict(
     cell: str, required: dict[str, str], observed: Sequence[kernels.Provenance], role: str, error: str = ""
 ) -> Verdict:
@@ -338,7 +386,7 @@ def unmatched_declarations(
     return rows
 
 
-def planned_verdicts(cells: Sequence[str], contract: Contract) -> list[Verdict]:
+def planned_verdicts(cells: Sequence[str], contract: Contract, *, grad: bool = False) -> list[Verdict]:
     """The kernel verdicts a run over ``cells`` (canonical first) judges, as red placeholders without values."""
     canonical = cells[0]
 
@@ -369,6 +417,12 @@ def planned_verdicts(cells: Sequence[str], contract: Contract) -> list[Verdict]:
         for name in metric.names
     ]
     planned += [row(Judgment.SMOKE, t, Judgment.FORWARD_ACCURACY, canonical, NO_CELL, m) for t, m in SMOKE_ROWS]
+    if grad:
+        accuracy = Judgment.GRADIENT_ACCURACY
+        planned += [row(accuracy, Tensor.GRAD_HIDDEN, accuracy, cell, cell) for cell in cells]
+        planned += [row(accuracy, Tensor.GRAD_WEIGHT, accuracy, canonical, canonical)]
+        invariance = Judgment.GRADIENT_INVARIANCE
+        planned += [row(invariance, Tensor.GRAD_HIDDEN, invariance, cell, canonical) for cell in cells[1:]]
     return planned
 
 

@@ -172,7 +172,7 @@ def restore_logical_order(cell: Cell, per_call: list[torch.Tensor], num_tokens: 
     """Per-call outputs [rows_i] -> one tensor [num_tokens] in logical order; every token exactly once."""
     if len(per_call) != len(cell.calls):
         raise ValueError(f"cell {cell.name}: {len(per_call)} outputs for {len(cell.calls)} calls")
-    out = per_call[0].new_zeros((num_tokens,)) if per_call else torch.zeros(num_tokens)
+    out = per_call[0].new_zeros((num_tokens, *per_call[0].shape[1:])) if per_call else torch.zeros(num_tokens)
     seen = torch.zeros(num_tokens, dtype=torch.int64)
     for call, values in zip(cell.calls, per_call, strict=True):
         keep = call.logical != NONE

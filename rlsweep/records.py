@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
 import torch
 
+from kernels import GradientBound
 from rlsweep.execute import CellResult
 from rlsweep.tables import CHECKS_SCHEMA, TOKENS_SCHEMA, build_table
 from rlsweep.verdicts import Verdict
@@ -21,11 +24,22 @@ def tokens_table(
     reference: CellResult | None,
     workload: Workload | None,
     bound: Mapping[str, torch.Tensor],
+    gradient: GradientBound | None = None,
 ) -> pa.Table:
     """One row per (cell, sample_id, position), every cell in logical order; no row where nothing ran."""
     columns: dict[str, list] = {name: [] for name in TOKENS_SCHEMA.names}
     for result in results:
         count = workload.num_tokens
+        if result.grad_hidden is None or gradient is None:
+            columns["grad_norm"] += [math.nan] * count
+            columns["grad_used"] += [math.nan] * count
+            columns["grad_bits"] += [None] * count
+        else:
+            grad = result.grad_hidden.double()
+            columns["grad_norm"] += grad.norm(dim=1).tolist()
+            used = (grad - gradient.reference_hidden).abs() / gradient.hidden
+            columns["grad_used"] += used.nan_to_num(nan=0.0).amax(dim=1).tolist()
+            columns["grad_bits"] += [row_bits(row) for row in result.grad_hidden]
         columns["cell"] += [result.cell.name] * count
         columns["sample_id"] += workload.sample_ids.tolist()
         columns["position"] += workload.positions.tolist()
@@ -39,6 +53,11 @@ def tokens_table(
         columns["lse_bound"] += bound["lse"].tolist()
         columns["owner_rank"] += result.owner_rank.tolist()
     return build_table(TOKENS_SCHEMA, run, columns, len(columns["cell"]))
+
+
+def row_bits(row: torch.Tensor) -> str:
+    """A token's d hidden as a short fingerprint of its bits: equal rows have equal ones, so runs compare bitwise."""
+    return hashlib.sha256(row.contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
 def checks_table(run: Mapping[str, Any], verdicts: Sequence[Verdict]) -> pa.Table:

@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from rlsweep.judgments import (
     contract_verdict,
     declaration_rows,
     judge_cells,
+    judge_gradients,
     not_run_verdicts,
     planned_verdicts,
     provenance_verdict,
@@ -157,9 +158,11 @@ def execute(spec: RunSpec, location: RunLocation, identity: RunIdentity, *, stan
             computed = compute(spec, op, run, verdicts, observed)
     standard = Standard(contract, profile.execution_dtype, profile.op_class, computed.bound)
     judged = judge_cells(computed.results, computed.reference, computed.workload, standard)
+    if computed.gradient is not None:
+        judged += judge_gradients(computed.results, computed.workload, computed.gradient, standard)
     verdicts += judged
     if computed.stopped:
-        planned = planned_verdicts(spec.layout.cell_names, contract)
+        planned = planned_verdicts(spec.layout.cell_names, contract, grad=spec.grad)
         verdicts += not_run_verdicts(judged, planned, "provenance stopped the kernels")
     verdicts = apply_expected(verdicts, spec.expectations)
     verdicts += declaration_rows(verdicts, spec.declarations, profile.name, spec.tp, standalone=standalone)
@@ -172,7 +175,9 @@ def execute(spec: RunSpec, location: RunLocation, identity: RunIdentity, *, stan
         "started": started,
         "finished": datetime.now(UTC).isoformat(),
     }
-    tokens = tokens_table(run, computed.results, computed.reference, computed.workload, computed.bound)
+    tokens = tokens_table(
+        run, computed.results, computed.reference, computed.workload, computed.bound, computed.gradient
+    )
     checks = checks_table(run, verdicts)
     files = publish_tables(
         location, {TOKENS_TABLE: with_metadata(tokens, metadata), CHECKS_TABLE: with_metadata(checks, metadata)}
@@ -198,6 +203,8 @@ class Computed:
     workload: Any = None
     bound: dict[str, torch.Tensor] = field(default_factory=dict)
     stopped: str = ""
+    upstream: torch.Tensor | None = None  # grad=true: the gradient sent back to each token's logp [T]
+    gradient: kernels.GradientBound | None = None  # grad=true: float64 gradients and their bounds
 
 
 def compute(
@@ -219,6 +226,13 @@ def compute(
         workload.hidden, head.weight, workload.targets, logits_dtype=EXECUTION_DTYPES[profile.logits_name]
     )
     computed.bound = {"logp": bound.logp, "lse": bound.lse}
+    if spec.grad:
+        computed.upstream = workload.upstream()
+        g = computed.upstream.to(workload.hidden.device)
+        computed.gradient = kernels.gradient_bound(
+            workload.hidden, head.weight, workload.targets, g, torch.zeros_like(g),
+            logits_dtype=EXECUTION_DTYPES[profile.logits_name],
+        )  # fmt: skip
     # Distributed ranks are spawned once per run and serve every call of every cell.
     ranks = (
         kernels.distributed_ranks(profile.backend_family, spec.sharding, profile.device)
@@ -229,7 +243,9 @@ def compute(
         for number, cell in enumerate(cells, start=1):
             log.info("cell %d/%d %s: %d kernel calls", number, len(cells), cell.name, len(cell.calls))
             try:
-                computed.results.append(run_cell(cell, workload, head.weight, filler, op))
+                result = run_cell(cell, workload, head.weight, filler, op, computed.upstream)
+                # d weight [V, H] is judged on the canonical cell only: the others' would hold V x H each.
+                computed.results.append(result if number == 1 else replace(result, grad_weight=None))
             except kernels.BackendUnavailableError as err:
                 computed.stopped = str(err)
                 verdicts.append(provenance_verdict(cell.name, required, [], profile.backend_family, error=str(err)))

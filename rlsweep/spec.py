@@ -21,7 +21,7 @@ import kernels
 from rlsweep.contract import DETERMINISM_SCOPES, Contract, RowKey, contract_from_mapping, op_class
 from rlsweep.errors import ConfigError
 from rlsweep.synthetic import check_seed
-from rlsweep.verdicts import DECLARABLE, FORWARD_TENSORS, Judgment
+from rlsweep.verdicts import DECLARABLE, FORWARD_TENSORS, GRADIENT_TENSORS, Judgment, Tensor
 
 # Bounds that only reject typos (real heads: hidden 2**11-2**14, vocab 3e4-3e5, tiles 256-1024); whether a head
 # that passes them fits is the memory estimate's call (rlsweep.execute.peak_bytes).
@@ -299,6 +299,7 @@ class RunSpec:
     sharding: kernels.ShardingSpec  # the whole vocab over every rank, as every kernel call of the run splits it
     tp_mode: str = "emulated"
     seed: int = 0
+    grad: bool = False  # differentiate every kernel call and judge the gradients
     expected_red: tuple[ExpectedRed, ...] = ()  # a sweep config's declarations
     tables_dir: str | None = None
     config: Mapping[str, Any] = field(default_factory=dict)  # the resolved config it was parsed from
@@ -306,6 +307,8 @@ class RunSpec:
     def __post_init__(self) -> None:
         choice("tp_mode", self.tp_mode, kernels.TP_MODES)
         check_seed(self.seed, "seed")
+        if self.grad and self.tp_mode == "distributed":
+            raise ConfigError("grad=true needs tp_mode=emulated: distributed ranks compute no gradient")
         if self.profile.backend_family not in kernels.BACKENDS or self.profile.backend_family == "reference":
             families = sorted(set(kernels.BACKENDS) - {"reference"})
             raise ConfigError(
@@ -328,6 +331,12 @@ class RunSpec:
         rows += [(Judgment.TP_INVARIANCE, self.profile.determinism_scope, t, dtype, op) for t in FORWARD_TENSORS]
         roles = [*judgments, Judgment.TP_INVARIANCE, CHAIN_ROLES]
         roles += [DECODE_PARITY_ROLES] if DECODE_CELL in cells[1:] else []
+        if self.grad:
+            rows += [(Judgment.GRADIENT_ACCURACY, "", t, dtype, op) for t in GRADIENT_TENSORS]
+            roles += [Judgment.GRADIENT_ACCURACY]
+            if len(cells) > 1:
+                rows += [(Judgment.GRADIENT_INVARIANCE, "", Tensor.GRAD_HIDDEN, dtype, op)]
+                roles += [Judgment.GRADIENT_INVARIANCE]
         return rows, roles, [dtype]
 
     @property

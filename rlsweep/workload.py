@@ -9,7 +9,7 @@ import torch
 import kernels
 from rlsweep.errors import ReplayInputError
 from rlsweep.spec import POSITION_BITS, ModelSpec, WorkloadSpec
-from rlsweep.synthetic import normal_matrix, uniform
+from rlsweep.synthetic import normal_matrix, standard_normal, uniform
 from rlsweep.tensor_files import TensorFile
 
 REPLAY_TENSORS = ("hidden_states", "target_ids", "seq_lens")
@@ -57,6 +57,13 @@ class Workload:
         """Logical row indices of one sample, in position order."""
         start = sum(self.seq_lens[:sample])
         return torch.arange(start, start + self.seq_lens[sample])
+
+    def upstream(self) -> torch.Tensor:
+        """The gradient a loss sends back to each token's logp [T] fp32 (CPU): normal on active tokens, 0 on
+        prompt tokens, a function of (seed, sample_id, position) only, so every layout cell gets the same."""
+        keys = token_keys(self.sample_ids, self.positions)[:, None]
+        draws = standard_normal(self.seed, "grad_logp", keys, torch.zeros(1, 1, dtype=torch.int64))[:, 0]
+        return torch.where(self.active, draws, 0.0).float()
 
     def filler(self, count: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``count`` unrelated rows: hidden [count, H] from their own stream and uniform targets [count]."""
