@@ -13,6 +13,7 @@ import kernels.grad
 from rlsweep.config import run_spec
 from rlsweep.errors import ConfigError
 
+SMALL = ("profile=triton_cpu_bf16", "layout=smoke", "model.vocab_size=1000")  # few vocab tiles: a quick backward
 GRADIENT_ROWS = {  # (judgment, tensor) -> rows in a layout=smoke run (3 cells)
     ("gradient_accuracy", "grad_hidden"): 3,
     ("gradient_accuracy", "grad_weight"): 1,
@@ -22,7 +23,7 @@ GRADIENT_ROWS = {  # (judgment, tensor) -> rows in a layout=smoke run (3 cells)
 
 @pytest.mark.xdist_group("grad")
 def test_grad_true_judges_every_cells_gradients_and_summarizes_each_token(tmp_path):
-    outcome = execute_run(compose_run("grad=true", "profile=triton_cpu_bf16", "layout=smoke"), tmp_path)
+    outcome = execute_run(compose_run("grad=true", *SMALL), tmp_path)
     rows = [v for v in outcome.verdicts if v.judgment.startswith("gradient")]
     counts = {}
     for v in rows:
@@ -52,7 +53,7 @@ def test_a_wrong_backward_is_red(tmp_path, monkeypatch):
         return d_hidden * 1.1, d_weight
 
     monkeypatch.setattr(kernels.grad, "tiled_gradients", skewed)
-    outcome = execute_run(compose_run("grad=true", "profile=triton_cpu_bf16", "layout=smoke"), tmp_path)
+    outcome = execute_run(compose_run("grad=true", *SMALL), tmp_path)
     red = [v for v in outcome.verdicts if not v.passed]
     assert red and {(v.judgment, v.tensor) for v in red} == {("gradient_accuracy", "grad_hidden")}
 
@@ -77,7 +78,7 @@ def test_the_gate_compares_each_tokens_d_hidden_bits_across_tp(tmp_path):
 
     from rlsweep.gate import gradient_tp_invariance, load_run, run_gate
 
-    done = multirun(tmp_path, "grad=true", "profile=triton_cpu_bf16", "layout=smoke", "tp=1,2")
+    done = multirun(tmp_path, "grad=true", *SMALL, "tp=1,2")
     assert done.returncode == 0, done.stdout + done.stderr
     sweep = pd.read_parquet(tmp_path / "sweep_checks.parquet")
     rows = sweep[sweep.judgment == "gradient_invariance"]
