@@ -96,7 +96,7 @@ def test_inactive_rows_get_zero_logp_and_no_owner(make_inputs):
         assert torch.equal(result.owner_rank[result.active], expected_owner)
 
 
-FUSED_CASES = [(4096, None), (3001, None), (50257, None), *((3001, seed) for seed in SEEDS[:6])]
+FUSED_CASES = [(4096, None), (3001, None), *((3001, seed) for seed in SEEDS[:3])]  # ragged last tile: 3001
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
