@@ -40,32 +40,24 @@ def widen_to_fp32(x):
     return wide
 
 
-@triton.jit(do_not_specialize=["M", "N"])
-def invariant_matmul_kernel(
-    a_ptr, b_ptr, c_ptr, M, N, K: tl.constexpr,
-    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, INTERPRETED: tl.constexpr,
-):  # fmt: skip
-    """c[M, N] = a[M, K] @ b[N, K].T with one fixed tiling, no split-K and K walked in order.
-
-    K (the hidden size) and the merge's tile count are compile-time constants: loop bounds that every
-    Triton the kernels support reads the same way (triton 3.6's interpreter cannot take a runtime int as a
-    Python range bound).
-    """
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped launch order helps L2 reuse; it changes which program runs when, never the arithmetic.
+@triton.jit
+def grouped_tile(pid, grid_m, grid_n, GROUP_M: tl.constexpr):
+    """(row block, column block) of program ``pid``: grouped launch order helps L2 reuse; it changes which program
+    runs when, never the arithmetic."""
     group = GROUP_M * grid_n
     first_m = (pid // group) * GROUP_M
     group_rows = min(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % group_rows
-    pid_n = (pid % group) // group_rows
+    return first_m + (pid % group) % group_rows, (pid % group) // group_rows
 
-    # int64 offsets: T * V exceeds 2**31 at real sizes (16384 x 151936).
-    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+
+@triton.jit
+def ordered_dot(
+    a_ptr, b_ptr, rm, rn, M, N, stride_am, stride_ak, stride_bn, stride_bk,
+    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    """The fp32 block a[rm, :] @ b[rn, :].T, K walked in order in BLOCK_K steps; rows past M and columns past N
+    load as zero. K (the hidden size) is a compile-time constant: a loop bound every supported Triton reads the
+    same way (triton 3.6's interpreter cannot take a runtime int as a Python range bound)."""
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -87,6 +79,38 @@ def invariant_matmul_kernel(
             acc += tl.sum(widen_to_fp32(a)[:, :, None] * widen_to_fp32(b)[None, :, :], axis=1)
         else:
             acc = tl.dot(a, b, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit(do_not_specialize=["M", "N"])
+def invariant_matmul_kernel(
+    a_ptr, b_ptr, c_ptr, M, N, K: tl.constexpr,
+    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    """c[M, N] = a[M, K] @ b[N, K].T with one fixed tiling, no split-K and K walked in order (``ordered_dot``)."""
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    # int64 offsets: T * V exceeds 2**31 at real sizes (16384 x 151936).
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    acc = ordered_dot(
+        a_ptr,
+        b_ptr,
+        rm,
+        rn,
+        M,
+        N,
+        stride_am,
+        stride_ak,
+        stride_bn,
+        stride_bk,
+        K,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        INTERPRETED,
+    )
     if c_ptr.dtype.element_ty == tl.bfloat16:
         c = round_to_bf16(acc)
     else:
@@ -162,34 +186,33 @@ def fused_head_kernel(
     its tile, and writes the logit of a row's target if the target falls in its tile (``target_ptr`` holds
     the shard-local target, -1 where the shard does not own it). Columns past ``n_real`` are padding (-inf).
     """
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    group = GROUP_M * n_tiles
-    first_m = (pid // group) * GROUP_M
-    group_rows = min(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % group_rows
-    tile = (pid % group) // group_rows
-
+    pid_m, tile = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), n_tiles, GROUP_M)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (tile * TILE + tl.arange(0, TILE)).to(tl.int64)
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, TILE), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        a = tl.load(
-            a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak,
-            mask=(rm[:, None] < M) & (kk[None, :] < K),
-            other=0.0,
-        )
-        b = tl.load(
-            b_ptr + rn[None, :] * stride_bn + kk[:, None] * stride_bk,
-            mask=(rn[None, :] < n_real) & (kk[:, None] < K),
-            other=0.0,
-        )
-        if INTERPRETED:  # see invariant_matmul_kernel: exact products summed over K in order
-            acc += tl.sum(widen_to_fp32(a)[:, :, None] * widen_to_fp32(b)[None, :, :], axis=1)
-        else:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
+    acc = ordered_dot(
+        a_ptr,
+        b_ptr,
+        rm,
+        rn,
+        M,
+        n_real,
+        stride_am,
+        stride_ak,
+        stride_bn,
+        stride_bk,
+        K,
+        BLOCK_M,
+        TILE,
+        BLOCK_K,
+        INTERPRETED,
+    )
+    tile_epilogue(acc, rm, rn, tile, M, n_real, n_tiles, target_ptr, max_ptr, sum_ptr, logit_ptr, TILE)
+
+
+@triton.jit
+def tile_epilogue(acc, rm, rn, tile, M, n_real, n_tiles, target_ptr, max_ptr, sum_ptr, logit_ptr, TILE: tl.constexpr):
+    """One fused block's fp32 logits -> its rows' (max, sumexp) of the tile and, where a row's shard-local target
+    falls in the tile, that logit (a copy, no arithmetic). Columns past ``n_real`` are padding (-inf)."""
     x = tl.where(rn[None, :] < n_real, acc, float("-inf"))
     m = tl.max(x, axis=1)
     shift = tl.where(m == float("-inf"), 0.0, m)  # an all-padding tile is the identity (-inf, 0)
@@ -198,7 +221,7 @@ def fused_head_kernel(
     tl.store(max_ptr + rm * n_tiles + tile, m, mask=live)
     tl.store(sum_ptr + rm * n_tiles + tile, s, mask=live)
     target = tl.load(target_ptr + rm, mask=live, other=-1)
-    picked = tl.max(tl.where(rn[None, :] == target[:, None], x, float("-inf")), axis=1)  # a copy, no arithmetic
+    picked = tl.max(tl.where(rn[None, :] == target[:, None], x, float("-inf")), axis=1)
     mine = live & (target >= tile * TILE) & (target < tile * TILE + TILE)
     tl.store(logit_ptr + rm, picked, mask=mine)
 
@@ -213,12 +236,8 @@ def fused_head_tma_kernel(
     the operands fetched by TMA descriptors (zero past the edges) and ``PROGRAMS`` persistent programs each
     walking tiles in launch order. Which program takes a tile never changes the tile's arithmetic."""
     grid_m = tl.cdiv(M, BLOCK_M)
-    group = GROUP_M * n_tiles
     for pid in tl.range(tl.program_id(0), grid_m * n_tiles, PROGRAMS, flatten=True):
-        first_m = (pid // group) * GROUP_M
-        group_rows = min(grid_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % group) % group_rows
-        tile = (pid % group) // group_rows
+        pid_m, tile = grouped_tile(pid, grid_m, n_tiles, GROUP_M)
         acc = tl.zeros((BLOCK_M, TILE), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             a = a_desc.load([pid_m * BLOCK_M, k0])
@@ -226,14 +245,4 @@ def fused_head_tma_kernel(
             acc = tl.dot(a, b.T, acc, input_precision="ieee")
         rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         rn = (tile * TILE + tl.arange(0, TILE)).to(tl.int64)
-        x = tl.where(rn[None, :] < n_real, acc, float("-inf"))
-        m = tl.max(x, axis=1)
-        shift = tl.where(m == float("-inf"), 0.0, m)
-        s = tl.sum(tl.exp(x - shift[:, None]), axis=1)
-        live = rm < M
-        tl.store(max_ptr + rm * n_tiles + tile, m, mask=live)
-        tl.store(sum_ptr + rm * n_tiles + tile, s, mask=live)
-        target = tl.load(target_ptr + rm, mask=live, other=-1)
-        picked = tl.max(tl.where(rn[None, :] == target[:, None], x, float("-inf")), axis=1)
-        mine = live & (target >= tile * TILE) & (target < tile * TILE + TILE)
-        tl.store(logit_ptr + rm, picked, mask=mine)
+        tile_epilogue(acc, rm, rn, tile, M, n_real, n_tiles, target_ptr, max_ptr, sum_ptr, logit_ptr, TILE)
