@@ -57,6 +57,16 @@ MERGE_ROWS = 128  # rows per program of the ordered merge
 TRITON_KERNELS = "kernels.triton_kernels"  # imported on first use: TRITON_INTERPRET is read at decoration
 
 
+# Both Triton backends: fixed global vocab tiles merged left to right, the same bits for every TP degree (checked
+# bitwise for tp = 2, 4, 8 against tp = 1; docs/dispatch.md). On cpu they run in Triton's interpreter.
+GLOBAL_TILES = LogprobBackendCapability(
+    implementation_kind=ImplementationKind.PRODUCTION,
+    dtypes=frozenset(EXECUTION_DTYPE_NAMES),
+    determinism_scopes=frozenset(DeterminismScope),
+    merge_orders=frozenset({MergeOrder.GLOBAL_TILE}),
+)
+
+
 def _load_kernels(device: torch.device) -> tuple[ModuleType, bool]:
     """Import the Triton kernels, or say why they cannot run on ``device``."""
     try:
@@ -88,14 +98,7 @@ def _load_kernels(device: torch.device) -> tuple[ModuleType, bool]:
         "logprob": {f"{TRITON_KERNELS}.tile_partials_kernel"},
         "tp_merge": {f"{TRITON_KERNELS}.ordered_merge_kernel"},
     },
-    # Fixed global vocab tiles merged left to right: the same bits for every TP degree (checked bitwise for
-    # tp = 2, 4, 8 against tp = 1; docs/dispatch.md). On cpu it runs in Triton's interpreter.
-    capability=LogprobBackendCapability(
-        implementation_kind=ImplementationKind.PRODUCTION,
-        dtypes=frozenset(EXECUTION_DTYPE_NAMES),
-        determinism_scopes=frozenset(DeterminismScope),
-        merge_orders=frozenset({MergeOrder.GLOBAL_TILE}),
-    ),
+    capability=GLOBAL_TILES,
 )
 class TritonBackend:
     id: str
@@ -183,13 +186,8 @@ class TritonBackend:
         "tp_merge": {f"{TRITON_KERNELS}.ordered_merge_kernel"},
     },
     # The matmul and the per-tile partials are one kernel and the logits stay fp32 in registers; the tiles are
-    # the global vocab tiles of the unfused backend, merged in the same order: bitwise across tp and layout.
-    capability=LogprobBackendCapability(
-        implementation_kind=ImplementationKind.PRODUCTION,
-        dtypes=frozenset(EXECUTION_DTYPE_NAMES),
-        determinism_scopes=frozenset(DeterminismScope),
-        merge_orders=frozenset({MergeOrder.GLOBAL_TILE}),
-    ),
+    # the global vocab tiles of the unfused backend, merged in the same order.
+    capability=GLOBAL_TILES,
 )
 class TritonFusedBackend(TritonBackend):
     """``lm_head_logprob`` without [T, V] logits: ``fused_partials`` is the matmul and logprob nodes at once.
@@ -233,7 +231,8 @@ class TritonFusedBackend(TritonBackend):
         target = torch.zeros((rows,), dtype=torch.float32, device=hidden.device)
         local = torch.where(owned, local_targets, -1)
         programs = triton_cdiv(rows, block_m) * n_tiles
-        if not interpreted and tma_ready(hidden, weight):
+        tma = not interpreted and tma_ready(hidden, weight)
+        if tma:
             from triton.tools.tensor_descriptor import TensorDescriptor
 
             persistent = min(programs, FUSED_PROGRAMS_PER_SM * multiprocessors(hidden.device))
@@ -245,17 +244,16 @@ class TritonFusedBackend(TritonBackend):
                 BLOCK_M=block_m, TILE=tile, BLOCK_K=block_k, GROUP_M=group_m, PROGRAMS=persistent,
                 num_warps=warps, num_stages=stages,
             )  # fmt: skip
-            partials = ShardPartials(maxes, sums, target, owned)
-            return partials, observe("logprob", self.id, sums, fused=True, tma=True, interpreted=False)
-        launch_triton(
-            kernels_module.fused_head_kernel, (programs,),
-            hidden, weight, local, maxes, sums, target, rows, weight.shape[0], depth,
-            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), n_tiles,
-            BLOCK_M=block_m, TILE=tile, BLOCK_K=block_k, GROUP_M=group_m, INTERPRETED=interpreted,
-            num_warps=warps, num_stages=stages,
-        )  # fmt: skip
+        else:
+            launch_triton(
+                kernels_module.fused_head_kernel, (programs,),
+                hidden, weight, local, maxes, sums, target, rows, weight.shape[0], depth,
+                hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), n_tiles,
+                BLOCK_M=block_m, TILE=tile, BLOCK_K=block_k, GROUP_M=group_m, INTERPRETED=interpreted,
+                num_warps=warps, num_stages=stages,
+            )  # fmt: skip
         partials = ShardPartials(maxes, sums, target, owned)
-        return partials, observe("logprob", self.id, sums, fused=True, interpreted=interpreted)
+        return partials, observe("logprob", self.id, sums, fused=True, tma=tma, interpreted=interpreted)
 
 
 def tma_ready(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
