@@ -110,6 +110,7 @@ def gradient_bound(
     g_lse: torch.Tensor,
     *,
     logits_dtype: torch.dtype,
+    lse_bound: torch.Tensor | None = None,
 ) -> GradientBound:
     """How far the gradient of sum(g_logp * logp + g_lse * lse) may be from float64 (docs/contract.md).
 
@@ -123,6 +124,7 @@ def gradient_bound(
         d weight_vj         <= sum_t D_tv |h_tj| + gamma(T + 1) sum_t (|dlogits_tv| + D_tv) |h_tj|
 
     plus half an ulp of the gradient's own dtype (the inputs') at the value. u = 2**-24, c = g_lse - g_logp.
+    ``lse_bound``: ``rounding_bound(...).lse`` of the same inputs where the caller has it already.
     """
     u = FP32_UNIT_ROUNDOFF
     h, w = hidden.double(), weight.double()
@@ -130,7 +132,9 @@ def gradient_bound(
     active = targets != IGNORE_INDEX
     g_logp = torch.where(active, g_logp.double(), 0.0)
     scale = g_lse.double() - g_logp
-    lse_bound = rounding_bound(hidden, weight, targets, logits_dtype=logits_dtype).lse.to(h.device)
+    if lse_bound is None:
+        lse_bound = rounding_bound(hidden, weight, targets, logits_dtype=logits_dtype).lse
+    lse_bound = lse_bound.double().to(h.device)
     d_hidden = torch.zeros_like(h)
     bound_hidden = torch.zeros_like(h)
     d_weight = torch.zeros_like(w)

@@ -231,37 +231,41 @@ def judge_gradients(
     def token_rows(t: torch.Tensor) -> torch.Tensor:
         return t[rows].reshape(-1)
 
+    def elements(verdict: Verdict) -> Verdict:  # compare_tokens counts what it compares: here, elements
+        return replace(verdict, detail=verdict.detail.replace("active tokens", "elements"))
+
     verdicts = []
     for result in results:
         cells = (result.cell.name, result.cell.name)
-        verdicts.append(compare_tokens(
+        verdicts.append(elements(compare_tokens(
             Judgment.GRADIENT_ACCURACY, Tensor.GRAD_HIDDEN, standard.contract.roles_for(Judgment.GRADIENT_ACCURACY),
             cells, token_rows(result.grad_hidden.double()), token_rows(gold.reference_hidden),
             standard.row(Judgment.GRADIENT_ACCURACY, Tensor.GRAD_HIDDEN), keys, token_rows(gold.hidden),
-        ))  # fmt: skip
+        )))  # fmt: skip
     for result in results[1:]:
-        verdicts.append(compare_tokens(
+        verdicts.append(elements(compare_tokens(
             Judgment.GRADIENT_INVARIANCE, Tensor.GRAD_HIDDEN, standard.contract.roles_for(Judgment.GRADIENT_INVARIANCE),
             (result.cell.name, canonical.cell.name), token_rows(result.grad_hidden), token_rows(canonical.grad_hidden),
             standard.row(Judgment.GRADIENT_INVARIANCE, Tensor.GRAD_HIDDEN), keys,
-        ))  # fmt: skip
+        )))  # fmt: skip
     vocab_rows = torch.arange(gold.reference_weight.shape[0]).repeat_interleave(gold.reference_weight.shape[1])
-    weight = compare_tokens(
-        Judgment.GRADIENT_ACCURACY,
-        Tensor.GRAD_WEIGHT,
-        standard.contract.roles_for(Judgment.GRADIENT_ACCURACY),
-        (canonical.cell.name, canonical.cell.name),
-        canonical.grad_weight.double().reshape(-1),
-        gold.reference_weight.reshape(-1),
-        standard.row(Judgment.GRADIENT_ACCURACY, Tensor.GRAD_WEIGHT),
-        (vocab_rows, torch.arange(vocab_rows.numel()) % gold.reference_weight.shape[1]),
-        gold.weight.reshape(-1),
+    weight = elements(
+        compare_tokens(
+            Judgment.GRADIENT_ACCURACY,
+            Tensor.GRAD_WEIGHT,
+            standard.contract.roles_for(Judgment.GRADIENT_ACCURACY),
+            (canonical.cell.name, canonical.cell.name),
+            canonical.grad_weight.double().reshape(-1),
+            gold.reference_weight.reshape(-1),
+            standard.row(Judgment.GRADIENT_ACCURACY, Tensor.GRAD_WEIGHT),
+            (vocab_rows, torch.arange(vocab_rows.numel()) % gold.reference_weight.shape[1]),
+            gold.weight.reshape(-1),
+        )
     )
     # The first difference is a (vocab row, column), not a token: say so in the detail, not in the token columns.
-    detail = weight.detail.replace("active tokens", "elements").replace("(sample_id=", "(vocab row=")
-    verdicts.append(replace(weight, detail=detail.replace(", position=", ", column="), first_sample_id=None,
-                            first_position=None))  # fmt: skip
-    return [replace(v, detail=v.detail.replace("active tokens", "elements")) for v in verdicts[:-1]] + verdicts[-1:]
+    detail = weight.detail.replace("(sample_id=", "(vocab row=").replace(", position=", ", column=")
+    verdicts.append(replace(weight, detail=detail, first_sample_id=None, first_position=None))
+    return verdicts
 
 
 def provenance_verdict(

@@ -231,7 +231,7 @@ def compute(
         g = computed.upstream.to(workload.hidden.device)
         computed.gradient = kernels.gradient_bound(
             workload.hidden, head.weight, workload.targets, g, torch.zeros_like(g),
-            logits_dtype=EXECUTION_DTYPES[profile.logits_name],
+            logits_dtype=EXECUTION_DTYPES[profile.logits_name], lse_bound=bound.lse,
         )  # fmt: skip
     # Distributed ranks are spawned once per run and serve every call of every cell.
     ranks = (
