@@ -5,10 +5,12 @@ Usage: python benchmarks/bench_logprob.py [--tokens 64 16384] [--repeats 20] [--
 For each token count T (V = 151936, H = 4096, bf16 inputs, logits of std 4): the bandwidth floor of reading
 the [T, V] bf16 logits, ``kernels.logprob`` on materialized logits, ``kernels.matmul`` against cuBLAS, and
 ``kernels.lm_head_logprob`` (triton, triton_fused, aten) beside Liger-Kernel's fused linear cross-entropy
-(forward, and forward + backward); each with its median time over ``--repeats`` calls (L2 flushed before every
-call), its peak memory beyond the inputs, its max |logp - float64| on 64 rows, and whether 7 rows alone give
-the bits they have inside the T-row call. ``--tune`` times candidate tilings first (docs/benchmarks.md says
-how the shipped ones were chosen). Prints Markdown tables; writes bench_logprob.json to --out. Needs CUDA.
+forward; each with its median time over ``--repeats`` calls (L2 flushed before every call), its peak memory
+beyond the inputs, its max |logp - float64| on 64 rows, and whether 7 rows alone give the bits they have inside
+the T-row call. Then forward + backward of triton_fused and of Liger: time, peak memory with the gradients it
+makes, max |d hidden - float64| on 64 rows, 7 rows bitwise. ``--tune`` times candidate tilings first
+(docs/benchmarks.md says how the shipped ones were chosen). Prints Markdown tables; writes bench_logprob.json
+to --out. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -154,18 +156,54 @@ def measure(bench: Bench, tokens: int, tile: int, fused_tile: int, reference: to
             bitwise = invariant(path, hidden, weight, targets, full)
         row(name, ms, f"{ms / cublas_ms:.2f}x cuBLAS matmul", peak_gib=round(peak, 3), max_err=error, bitwise=bitwise)
 
+    rows += forward_backward(bench, hidden, weight, targets, fused_tile, cublas_ms)
+    return rows
+
+
+def loss_paths(fused_tile: int) -> dict[str, Callable]:
+    """name -> (hidden, weight, targets) -> the summed negative logp, whose backward sends g_logp = -1 to each row."""
+    paths = {
+        "lm_head_logprob triton_fused": lambda h, w, t: (
+            -kernels.lm_head_logprob(h, w, t, backend="triton_fused", vocab_tile=fused_tile).logp.sum()
+        )
+    }
     flce = liger()
     if flce is not None:
+        paths["Liger FLCE"] = lambda h, w, t: flce(h, w, t, reduction="none").sum()
+    return paths
+
+
+def forward_backward(bench: Bench, hidden, weight, targets, fused_tile: int, cublas_ms: float) -> list[dict]:
+    """Forward + backward of each loss path: time, peak memory with the gradients it makes (none held before), the
+    max |d hidden - float64| on the first rows, and whether 7 rows' d hidden alone equal theirs in the call."""
+    tokens = hidden.shape[0]
+    probe = slice(0, ACCURACY_ROWS)
+    h64, w64 = hidden[probe].double(), weight.double()
+    p = torch.softmax(h64 @ w64.T, dim=1)
+    gold = p @ w64 - w64[targets[probe]]  # d hidden of -logp: softmax @ W - W[target]
+    del w64, p
+    rows = []
+    for name, loss in loss_paths(fused_tile).items():
         leaf = hidden.detach().requires_grad_(True)
         head = weight.detach().requires_grad_(True)
 
-        def forward_backward():
+        def step(loss=loss, leaf=leaf, head=head, pick=slice(None)):
             leaf.grad = head.grad = None
-            flce(leaf, head, targets, reduction="none").sum().backward()
+            loss(leaf[pick], head, targets[pick]).backward()
+            return leaf.grad
 
-        ms = bench.time_ms(forward_backward)
-        peak = bench.peak_gib(forward_backward)
-        row("Liger FLCE forward + backward", ms, f"{ms / cublas_ms:.2f}x cuBLAS matmul", peak_gib=round(peak, 3))
+        ms = bench.time_ms(step)
+        leaf.grad = head.grad = None
+        peak = bench.peak_gib(step)
+        d_hidden = step().clone()
+        error = float((d_hidden[probe].double() - gold).abs().max())
+        pick = torch.tensor(PROBE, device="cuda")
+        alone = step(pick=pick)[pick]
+        bitwise = kernels.first_bit_difference(alone, d_hidden[pick]) is None
+        leaf.grad = head.grad = None
+        rows.append({"T": tokens, "measurement": f"{name} forward + backward", "ms": round(ms, 4),
+                     "note": f"{ms / cublas_ms:.2f}x cuBLAS matmul", "peak_gib": round(peak, 3),
+                     "max_err": error, "bitwise": bitwise})  # fmt: skip
     return rows
 
 

@@ -1,27 +1,44 @@
 """The backward of the lm_head logprob for backends whose forward runs kernels autograd cannot see (Triton).
 
 With p = softmax(logits) and, per row, g_logp and g_lse the upstream gradients of logp and lse:
-d logits = g_logp * (onehot(target) - p) + g_lse * p, zero on inactive rows' logp part (their logp is the
-constant 0). Then d hidden = d logits @ weight and d weight = d logits.T @ hidden.
+d logits = g_logp * onehot(target) + (g_lse - g_logp) * p, with g_logp taken as 0 on inactive rows (their logp
+is the constant 0). Then d hidden = d logits @ weight and d weight = d logits.T @ hidden.
 
-Nothing [T, V] is kept from the forward: the backward recomputes the logits one global vocab tile at a time with
-the backend's own matmul (the forward's bits), and walks the tiles of every rank in global tile order, the
-padding tiles skipped. d hidden is one fp32 accumulator carried from tile to tile and from rank to rank, so a
-row's d hidden is the same sum in the same order whatever the call's other rows and whatever the tp degree;
-each rank's d weight rows are its own tiles' products, summed over the call's rows in row order, so they do not
-change with tp. The products run through the backend's ``gradient_matmul`` (for Triton: the invariant matmul in
-fp32), so no row's bits depend on where it sits in the call (docs/kernels.md, "Gradients").
+Nothing [T, V] is kept from the forward: each rank's backend (``shard_gradients``) recomputes its shard's logits
+a chunk of whole vocab tiles at a time, rounds d logits to the inputs' dtype, and multiplies. d hidden is one
+fp32 accumulator carried from chunk to chunk and from rank to rank in global vocab order, so a row's d hidden is
+the same sum in the same order whatever the call's other rows and whatever the tp degree; each rank's d weight
+rows are its own columns' products, summed over the call's rows in row order, so they do not change with tp
+(docs/kernels.md, "Gradients").
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kernels.backend import LogprobBackend
+from kernels.ranks import shard_targets
 from kernels.sharding import ShardingSpec
 from kernels.validation import IGNORE_INDEX
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """Per-row fp32 coefficients of d logits = g_target * onehot(target) + scale * p."""
+
+    g_target: torch.Tensor  # [T] g_logp, 0 on inactive rows
+    scale: torch.Tensor  # [T] g_lse - g_target
+
+    @classmethod
+    def of(cls, targets: torch.Tensor, g_logp: torch.Tensor | None, g_lse: torch.Tensor | None) -> Upstream:
+        """From autograd's upstream gradients of logp and lse (None: zero)."""
+        zero = torch.zeros(targets.shape[0], dtype=torch.float32, device=targets.device)
+        g_target = zero if g_logp is None else torch.where(targets != IGNORE_INDEX, g_logp.float(), zero)
+        g_lse = zero if g_lse is None else g_lse.float()
+        return cls(g_target, g_lse - g_target)
 
 
 class TiledLogprobBackward(torch.autograd.Function):
@@ -63,27 +80,34 @@ def tiled_gradients(
     g_lse: torch.Tensor | None,
     sharding: ShardingSpec,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d hidden [T, H], d weight [V, H]) in the inputs' dtypes, accumulated in fp32 in global tile order."""
-    rows = hidden.shape[0]
-    active = targets != IGNORE_INDEX
-    zero = torch.zeros(rows, dtype=torch.float32, device=hidden.device)
-    g_logp = zero if g_logp is None else torch.where(active, g_logp.float(), zero)
-    g_lse = zero if g_lse is None else g_lse.float()
-    scale = g_lse - g_logp  # d logits = g_logp * onehot + (g_lse - g_logp) * p
-    hidden_fp32 = hidden.detach().float()
-    d_hidden = torch.zeros((rows, hidden.shape[1]), dtype=torch.float32, device=hidden.device)
-    d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-    tile = sharding.vocab_tile
+    """(d hidden [T, H], d weight [V, H]) in the inputs' dtypes: every rank's part in this process, in rank order."""
+    upstream = Upstream.of(targets, g_logp, g_lse)
+    d_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    d_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
     for rank in range(sharding.world_size):
-        lo, hi = sharding.for_rank(rank).real_shard
-        for start in range(lo, hi, tile):  # this rank's real tiles, in global order; padding tiles add nothing
-            stop = min(start + tile, hi)
-            w_tile = weight.detach()[start:stop]
-            logits, _ = impl.matmul(hidden.detach(), w_tile)  # the forward's logits of this tile, bit for bit
-            d_logits = scale[:, None] * torch.exp(logits.float() - lse[:, None])
-            owned = active & (targets >= start) & (targets < stop)
-            columns = torch.where(owned, targets - start, 0)
-            d_logits.scatter_add_(1, columns[:, None], torch.where(owned, g_logp, zero)[:, None])
-            d_hidden = d_hidden + impl.gradient_matmul(d_logits, w_tile.float().T)
-            d_weight[start:stop] = impl.gradient_matmul(d_logits.T, hidden_fp32.T)
-    return d_hidden.to(hidden.dtype), d_weight.to(weight.dtype)
+        rank_gradients(impl, hidden, weight, targets, lse, upstream, sharding.for_rank(rank), d_hidden, d_weight)
+    return d_hidden.to(hidden.dtype), d_weight
+
+
+def rank_gradients(
+    impl: LogprobBackend,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    upstream: Upstream,
+    sharding: ShardingSpec,
+    d_hidden: torch.Tensor,
+    d_weight: torch.Tensor,
+) -> None:
+    """One rank's part: its real shard's rows of ``d_weight`` [V, H], and its products added to the fp32
+    ``d_hidden`` [T, H], which must hold the sum of every earlier rank's (an all-padding shard adds nothing)."""
+    lo, hi = sharding.real_shard
+    if hi <= lo:
+        return
+    owned, local = shard_targets(targets, sharding)
+    local = torch.where(owned, local, -1)
+    impl.shard_gradients(
+        hidden.detach(), weight.detach()[lo:hi], local, lse, upstream.scale, upstream.g_target,
+        d_hidden, d_weight[lo:hi], sharding,
+    )  # fmt: skip

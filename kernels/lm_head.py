@@ -106,7 +106,7 @@ def sharded_lm_head_logprob(
                 "bits), or call under torch.no_grad()"
             )
         result = run_distributed(backend, hidden, weight, targets, sharding)
-    elif wants_grad and getattr(impl, "tiled_backward", False):
+    elif wants_grad and hasattr(impl, "shard_gradients"):
         with torch.no_grad():
             result = emulated(impl, hidden, weight, targets, sharding)
         logp, lse = TiledLogprobBackward.apply(hidden, weight, result.logp, result.lse, targets, impl, sharding)

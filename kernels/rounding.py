@@ -119,7 +119,8 @@ def gradient_bound(
 
         |p~_v - p_v|        <= p_v (exp(e_v + b + 4u (|x_v| + |lse| + e_v + b)) (1 + 16u) - 1)     =: dp_v
         |dlogits~_v - ...|  <= (1 + 2u) |c| dp_v + 3u |c| (p_v + dp_v) + u |g_logp| [v = t]         =: D_v
-                               (+ half an ulp of logits_dtype, where the logits' gradient is stored in it)
+                               (+ half an ulp where d logits are rounded to a narrower dtype: the narrower of
+                               logits_dtype and the inputs', as products on tensor cores take operands in the latter)
         d hidden_j          <= sum_v D_v |W_vj| + gamma(V + 1) sum_v (|dlogits_v| + D_v) |W_vj|
         d weight_vj         <= sum_t D_tv |h_tj| + gamma(T + 1) sum_t (|dlogits_tv| + D_tv) |h_tj|
 
@@ -135,6 +136,7 @@ def gradient_bound(
     if lse_bound is None:
         lse_bound = rounding_bound(hidden, weight, targets, logits_dtype=logits_dtype).lse
     lse_bound = lse_bound.double().to(h.device)
+    gradient_dtype = min((logits_dtype, hidden.dtype), key=SIGNIFICAND_BITS.__getitem__)
     d_hidden = torch.zeros_like(h)
     bound_hidden = torch.zeros_like(h)
     d_weight = torch.zeros_like(w)
@@ -153,8 +155,8 @@ def gradient_bound(
         onehot[owned, targets[part][owned]] = 1.0
         d_logits = g_logp[part][:, None] * onehot + c * p
         spread = (1 + 2 * u) * c.abs() * dp + 3 * u * c.abs() * (p + dp) + u * g_logp[part].abs()[:, None] * onehot
-        if SIGNIFICAND_BITS[logits_dtype] < SIGNIFICAND_BITS[torch.float32]:
-            spread = spread + half_ulp(d_logits.abs() + spread, logits_dtype)
+        if SIGNIFICAND_BITS[gradient_dtype] < SIGNIFICAND_BITS[torch.float32]:
+            spread = spread + half_ulp(d_logits.abs() + spread, gradient_dtype)
         magnitude = d_logits.abs() + spread
         d_hidden[part] = d_logits @ w
         bound_hidden[part] = spread @ w.abs() + gamma(vocab + 1) * (magnitude @ w.abs())

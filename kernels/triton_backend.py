@@ -37,6 +37,9 @@ CUDA_TILING = {
     torch.bfloat16: MatmulTiling(128, 256, 64, 8, 8, 3),  # H200: 0.71x cuBLAS at T=16384 (docs/benchmarks.md)
     torch.float32: MatmulTiling(128, 64, 32, 8, 8, 3),
 }
+# The backward's d hidden += d logits @ w starts from the fp32 sum in memory, whose block takes 128 KB of shared
+# memory beside the pipeline: a 32-column K step and 4 stages fit the H200's 227 KB (64 x 3 asked 272 KB).
+D_HIDDEN_TILING = {torch.bfloat16: MatmulTiling(128, 256, 32, 8, 8, 4), torch.float32: CUDA_TILING[torch.float32]}
 INTERPRETER_TILING = MatmulTiling(64, 256, 64, 8, 4, 1)  # 64*64*256 products: under the 2**20 block cap
 # The fused head's tiling: its tile of vocab columns is the contract's vocab_tile, so only the rows and the K
 # step are chosen here, per device kind and dtype, never from M or N (docs/kernels.md, "The fused head").
@@ -52,6 +55,7 @@ INTERPRETER_BLOCK_NUMEL = 1 << 20  # the interpreter's broadcast product is rows
 PARTIAL_ROWS = 4  # rows per program of the tile-partials kernel (compiled)
 PARTIAL_WARPS = 4  # warps per program of the tile-partials kernel (compiled)
 PARTIAL_TILES = 8  # tiles per program of the tile-partials kernel: fewer, longer programs; no effect on the bits
+GRADIENT_CHUNK_COLUMNS = 4096  # vocab columns whose d logits [T, chunk] the backward holds at once
 INTERPRETER_PARTIAL_ROWS = 64  # the interpreter pays per program, not per row
 MERGE_ROWS = 128  # rows per program of the ordered merge
 TRITON_KERNELS = "kernels.triton_kernels"  # imported on first use: TRITON_INTERPRET is read at decoration
@@ -103,14 +107,13 @@ def _load_kernels(device: torch.device) -> tuple[ModuleType, bool]:
 class TritonBackend:
     id: str
     checks_finite_logits = True  # a non-finite logit makes its tile's sum NaN (tile_partials_kernel)
-    tiled_backward = True  # autograd cannot see the kernels: kernels.grad differentiates tile by tile
 
-    def gradient_matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """a[M, K] @ b[N, K].T in fp32 through the invariant matmul: a row's bits never depend on the others."""
-        return self.invariant_matmul(a.float(), b.float(), torch.float32)[0]
+    def logits_dtype(self, execution_dtype: torch.dtype) -> torch.dtype:
+        """Where this backend's logits are rounded: the execution dtype (the fused head keeps them fp32)."""
+        return execution_dtype
 
     def matmul(self, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, NodeProvenance]:
-        return self.invariant_matmul(hidden, weight, hidden.dtype)
+        return self.invariant_matmul(hidden, weight, self.logits_dtype(hidden.dtype))
 
     def invariant_matmul(
         self, hidden: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype
@@ -123,14 +126,82 @@ class TritonBackend:
         grid = (triton_cdiv(rows, tiling.block_m) * triton_cdiv(cols, tiling.block_n),)
         launch_triton(
             kernels_module.invariant_matmul_kernel, grid,
-            hidden, weight, logits, rows, cols, depth,
+            hidden, weight, logits, rows, cols, depth, depth,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
             logits.stride(0), logits.stride(1),
             BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
-            GROUP_M=tiling.group_m, INTERPRETED=interpreted,
+            GROUP_M=tiling.group_m, ACCUMULATE=False, INTERPRETED=interpreted,
             num_warps=tiling.num_warps, num_stages=tiling.num_stages,
         )  # fmt: skip
         return logits, observe("matmul", self.id, logits, interpreted=interpreted)
+
+    def shard_gradients(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        local_targets: torch.Tensor,
+        lse: torch.Tensor,
+        scale: torch.Tensor,
+        g_target: torch.Tensor,
+        d_hidden: torch.Tensor,
+        d_weight: torch.Tensor,
+        sharding: ShardingSpec,
+    ) -> None:
+        """This rank's real weight rows [n, H] -> their d weight, written to ``d_weight`` [n, H]; their d hidden
+        products added to the fp32 ``d_hidden`` [T, H], K walked in vocab order. d logits = g_target [T] at the
+        row's shard-local target (``local_targets``, -1: not in this shard) + scale [T] * softmax (kernels/grad.py).
+
+        A chunk of GRADIENT_CHUNK_COLUMNS vocab columns at a time: its logits recomputed and turned into d logits
+        in the inputs' dtype (``gradient_logits_kernel``), then d hidden += d logits @ w and d weight = d logits.T
+        @ hidden. d hidden's K steps never straddle a vocab tile, and a shard starts on one, so its sum has the
+        same steps at every tp; chunks are whole tiles, so their size changes nothing either."""
+        kernels_module, interpreted = _load_kernels(hidden.device)
+        rows, depth = hidden.shape
+        columns = weight.shape[0]
+        tiling = INTERPRETER_TILING if interpreted else CUDA_TILING[hidden.dtype]
+        tile = sharding.vocab_tile
+        d_hidden_tiling = INTERPRETER_TILING if interpreted else D_HIDDEN_TILING[hidden.dtype]
+        vocab_step = min(d_hidden_tiling.block_k, tile)
+        chunk = max(tile, GRADIENT_CHUNK_COLUMNS // tile * tile)
+        buffer = aligned_empty(rows, min(chunk, columns), hidden.dtype, hidden.device)
+        tma = not interpreted and hidden.dtype == torch.bfloat16 and tma_ready(hidden, weight)
+        matmul = tma_matmul if tma else functools.partial(pointer_matmul, interpreted=interpreted)
+        round_logits = self.logits_dtype(hidden.dtype) == torch.bfloat16  # recompute the logits the forward stored
+        for start in range(0, columns, chunk):
+            stop = min(start + chunk, columns)
+            w, d_logits = weight[start:stop], buffer[:, : stop - start]
+            chunk_targets = torch.where((local_targets >= start) & (local_targets < stop), local_targets - start, -1)
+            epilogue = (lse, scale, g_target, chunk_targets, d_logits)
+            if tma:
+                from triton.tools.tensor_descriptor import TensorDescriptor
+
+                tiles = triton_cdiv(rows, tiling.block_m) * triton_cdiv(stop - start, tiling.block_n)
+                programs = min(tiles, FUSED_PROGRAMS_PER_SM * multiprocessors(hidden.device))
+                launch_triton(
+                    kernels_module.gradient_logits_tma_kernel, (programs,),
+                    TensorDescriptor.from_tensor(hidden, [tiling.block_m, tiling.block_k]),
+                    TensorDescriptor.from_tensor(w, [tiling.block_n, tiling.block_k]),
+                    *epilogue, rows, stop - start, d_logits.stride(0), depth,
+                    BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, GROUP_M=tiling.group_m,
+                    PROGRAMS=programs, ROUND_LOGITS=round_logits,
+                    num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+                )  # fmt: skip
+            else:
+                grid = (triton_cdiv(rows, tiling.block_m) * triton_cdiv(stop - start, tiling.block_n),)
+                launch_triton(
+                    kernels_module.gradient_logits_kernel, grid,
+                    hidden, w, *epilogue, rows, stop - start, depth,
+                    hidden.stride(0), hidden.stride(1), w.stride(0), w.stride(1), d_logits.stride(0),
+                    BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, GROUP_M=tiling.group_m,
+                    ROUND_LOGITS=round_logits, INTERPRETED=interpreted,
+                    num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+                )  # fmt: skip
+            # d hidden [T, H] += d_logits [T, c] @ w [c, H], continuing the fp32 sum over the vocab.
+            matmul(kernels_module, d_logits, w, d_hidden, d_hidden_tiling, vocab_step,
+                   a_by_k=False, b_by_k=True, accumulate=True)  # fmt: skip
+            # d weight [c, H] = d_logits.T [c, T] @ hidden [T, H], a sum over the call's rows in row order.
+            matmul(kernels_module, d_logits, hidden, d_weight[start:stop], tiling, tiling.block_k,
+                   a_by_k=True, b_by_k=True, accumulate=False)  # fmt: skip
 
     def max_vocab_tile(self, device: torch.device) -> int:
         """The widest vocab tile the tile-partials kernel can hold on ``device``: its block is rows x tile."""
@@ -196,8 +267,8 @@ class TritonFusedBackend(TritonBackend):
     ``shard_partials`` reduces given logits, so ``kernels.logprob`` works on this backend too.
     """
 
-    def matmul(self, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, NodeProvenance]:
-        return self.invariant_matmul(hidden, weight, torch.float32)
+    def logits_dtype(self, execution_dtype: torch.dtype) -> torch.dtype:
+        return torch.float32
 
     def max_vocab_tile(self, device: torch.device) -> int:
         _, interpreted = _load_kernels(device)
@@ -254,6 +325,43 @@ class TritonFusedBackend(TritonBackend):
             )  # fmt: skip
         partials = ShardPartials(maxes, sums, target, owned)
         return partials, observe("logprob", self.id, sums, fused=True, tma=tma, interpreted=interpreted)
+
+
+def pointer_matmul(kernels_module, a, b, c, tiling, block_k, *, a_by_k, b_by_k, accumulate, interpreted):
+    """c (+)= A @ B through ``invariant_matmul_kernel``: A is a [M, K] (a_by_k: a is [K, M]), B is b [N, K]
+    (b_by_k: b is [K, N]); the depth is a runtime argument where compiled (it may be the call's rows)."""
+    rows, cols = c.shape
+    depth = a.shape[0] if a_by_k else a.shape[1]
+    stride_am, stride_ak = (a.stride(1), a.stride(0)) if a_by_k else (a.stride(0), a.stride(1))
+    stride_bn, stride_bk = (b.stride(1), b.stride(0)) if b_by_k else (b.stride(0), b.stride(1))
+    grid = (triton_cdiv(rows, tiling.block_m) * triton_cdiv(cols, tiling.block_n),)
+    launch_triton(
+        kernels_module.invariant_matmul_kernel, grid,
+        a, b, c, rows, cols, depth, depth if interpreted else 0,
+        stride_am, stride_ak, stride_bn, stride_bk, c.stride(0), c.stride(1),
+        BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_K=block_k, GROUP_M=tiling.group_m,
+        ACCUMULATE=accumulate, INTERPRETED=interpreted, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+    )  # fmt: skip
+
+
+def tma_matmul(kernels_module, a, b, c, tiling, block_k, *, a_by_k, b_by_k, accumulate):
+    """``pointer_matmul`` by ``tma_matmul_kernel``: TMA operands, persistent programs (compute capability 9+)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows, cols = c.shape
+    depth = a.shape[0] if a_by_k else a.shape[1]
+    a_block = [block_k, tiling.block_m] if a_by_k else [tiling.block_m, block_k]
+    b_block = [block_k, tiling.block_n] if b_by_k else [tiling.block_n, block_k]
+    tiles = triton_cdiv(rows, tiling.block_m) * triton_cdiv(cols, tiling.block_n)
+    programs = min(tiles, FUSED_PROGRAMS_PER_SM * multiprocessors(c.device))
+    launch_triton(
+        kernels_module.tma_matmul_kernel, (programs,),
+        TensorDescriptor.from_tensor(a, a_block), TensorDescriptor.from_tensor(b, b_block),
+        c, rows, cols, depth, c.stride(0), c.stride(1),
+        BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_K=block_k, GROUP_M=tiling.group_m,
+        PROGRAMS=programs, A_BY_K=a_by_k, B_BY_K=b_by_k, ACCUMULATE=accumulate,
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+    )  # fmt: skip
 
 
 def tma_ready(hidden: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -52,24 +52,29 @@ def grouped_tile(pid, grid_m, grid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def ordered_dot(
-    a_ptr, b_ptr, rm, rn, M, N, stride_am, stride_ak, stride_bn, stride_bk,
+    a_ptr, b_ptr, rm, rn, M, N, k_size, stride_am, stride_ak, stride_bn, stride_bk, acc,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
-    """The fp32 block a[rm, :] @ b[rn, :].T, K walked in order in BLOCK_K steps; rows past M and columns past N
-    load as zero. K (the hidden size) is a compile-time constant: a loop bound every supported Triton reads the
-    same way (triton 3.6's interpreter cannot take a runtime int as a Python range bound)."""
+    """``acc`` + the fp32 block a[rm, :] @ b[rn, :].T, K walked in order in BLOCK_K steps; rows past M and columns
+    past N load as zero. K > 0 is the depth as a compile-time constant (the hidden size: a loop bound every
+    supported Triton reads the same way; triton 3.6's interpreter cannot take a runtime int as a Python range
+    bound); K = 0 takes the runtime ``k_size`` (compiled only: a depth that changes from call to call, such as
+    the rows of a call, would otherwise compile a kernel per value)."""
+    if K > 0:
+        depth = K
+    else:
+        depth = k_size
     rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, depth, BLOCK_K):
         kk = k0 + rk
         a = tl.load(
             a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak,
-            mask=(rm[:, None] < M) & (kk[None, :] < K),
+            mask=(rm[:, None] < M) & (kk[None, :] < depth),
             other=0.0,
         )
         b = tl.load(
             b_ptr + rn[None, :] * stride_bn + kk[:, None] * stride_bk,
-            mask=(rn[None, :] < N) & (kk[:, None] < K),
+            mask=(rn[None, :] < N) & (kk[:, None] < depth),
             other=0.0,
         )
         if INTERPRETED:
@@ -82,44 +87,44 @@ def ordered_dot(
     return acc
 
 
-@triton.jit(do_not_specialize=["M", "N"])
+@triton.jit
+def store_rounded(c_ptr, acc, rm, rn, M, N, stride_cm, stride_cn):
+    """Store the fp32 block ``acc`` at c[rm, rn] in c's dtype: bf16 rounded to nearest even, fp32 as it is."""
+    if c_ptr.dtype.element_ty == tl.bfloat16:
+        c = round_to_bf16(acc)
+    else:
+        c = acc
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, c, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit(do_not_specialize=["M", "N", "k_size"])
 def invariant_matmul_kernel(
-    a_ptr, b_ptr, c_ptr, M, N, K: tl.constexpr,
+    a_ptr, b_ptr, c_ptr, M, N, k_size, K: tl.constexpr,
     stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, INTERPRETED: tl.constexpr,
+    GROUP_M: tl.constexpr, ACCUMULATE: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
-    """c[M, N] = a[M, K] @ b[N, K].T with one fixed tiling, no split-K and K walked in order (``ordered_dot``)."""
+    """c[M, N] = a[M, K] @ b[N, K].T with one fixed tiling, no split-K and K walked in order (``ordered_dot``).
+
+    ACCUMULATE: c is fp32 and the sum starts from its value, so calls over consecutive K ranges give the bits
+    of one call over all of them (K boundaries on BLOCK_K steps)."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     # int64 offsets: T * V exceeds 2**31 at real sizes (16384 x 151936).
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    acc = ordered_dot(
-        a_ptr,
-        b_ptr,
-        rm,
-        rn,
-        M,
-        N,
-        stride_am,
-        stride_ak,
-        stride_bn,
-        stride_bk,
-        K,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_K,
-        INTERPRETED,
-    )
-    if c_ptr.dtype.element_ty == tl.bfloat16:
-        c = round_to_bf16(acc)
+    if ACCUMULATE:
+        acc = tl.load(
+            c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
+            mask=(rm[:, None] < M) & (rn[None, :] < N),
+            other=0.0,
+        )
     else:
-        c = acc  # fp32 logits: the accumulator itself
-    tl.store(
-        c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
-        c,
-        mask=(rm[:, None] < M) & (rn[None, :] < N),
-    )
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = ordered_dot(
+        a_ptr, b_ptr, rm, rn, M, N, k_size, stride_am, stride_ak, stride_bn, stride_bk, acc,
+        K, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETED,
+    )  # fmt: skip
+    store_rounded(c_ptr, acc, rm, rn, M, N, stride_cm, stride_cn)
 
 
 @triton.jit(do_not_specialize=["T", "n_real", "n_tiles"])
@@ -189,23 +194,11 @@ def fused_head_kernel(
     pid_m, tile = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), n_tiles, GROUP_M)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (tile * TILE + tl.arange(0, TILE)).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, TILE), dtype=tl.float32)
     acc = ordered_dot(
-        a_ptr,
-        b_ptr,
-        rm,
-        rn,
-        M,
-        n_real,
-        stride_am,
-        stride_ak,
-        stride_bn,
-        stride_bk,
-        K,
-        BLOCK_M,
-        TILE,
-        BLOCK_K,
-        INTERPRETED,
-    )
+        a_ptr, b_ptr, rm, rn, M, n_real, K, stride_am, stride_ak, stride_bn, stride_bk, acc,
+        K, BLOCK_M, TILE, BLOCK_K, INTERPRETED,
+    )  # fmt: skip
     tile_epilogue(acc, rm, rn, tile, M, n_real, n_tiles, target_ptr, max_ptr, sum_ptr, logit_ptr, TILE)
 
 
@@ -246,3 +239,105 @@ def fused_head_tma_kernel(
         rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         rn = (tile * TILE + tl.arange(0, TILE)).to(tl.int64)
         tile_epilogue(acc, rm, rn, tile, M, n_real, n_tiles, target_ptr, max_ptr, sum_ptr, logit_ptr, TILE)
+
+
+@triton.jit
+def gradient_epilogue(
+    acc, rm, rn, M, n_real, lse_ptr, scale_ptr, g_target_ptr, target_ptr, out_ptr, stride_om,
+    ROUND_LOGITS: tl.constexpr,
+):  # fmt: skip
+    """One block's fp32 logits -> d logits = scale * exp(x - lse) + [column = target] * g_target, stored in
+    out's dtype (bf16 rounded to nearest even). ROUND_LOGITS: x is the logit as the forward stored it in bf16.
+
+    ``target_ptr`` holds each row's chunk-local target column, -1 where the chunk does not hold it."""
+    x = acc
+    if ROUND_LOGITS:
+        x = widen_to_fp32(round_to_bf16(acc))
+    live = rm < M
+    lse = tl.load(lse_ptr + rm, mask=live, other=0.0)
+    scale = tl.load(scale_ptr + rm, mask=live, other=0.0)
+    g_target = tl.load(g_target_ptr + rm, mask=live, other=0.0)
+    target = tl.load(target_ptr + rm, mask=live, other=-1)
+    d = scale[:, None] * tl.exp(x - lse[:, None])
+    d = tl.where(rn[None, :] == target[:, None], d + g_target[:, None], d)
+    store_rounded(out_ptr, d, rm, rn, M, n_real, stride_om, 1)
+
+
+@triton.jit(do_not_specialize=["M", "n_real"])
+def gradient_logits_kernel(
+    a_ptr, b_ptr, lse_ptr, scale_ptr, g_target_ptr, target_ptr, out_ptr, M, n_real, K: tl.constexpr,
+    stride_am, stride_ak, stride_bn, stride_bk, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ROUND_LOGITS: tl.constexpr, INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    """d logits [M, n_real] of hidden[M, K] @ weight[n_real, K].T: the logits recomputed as
+    ``invariant_matmul_kernel`` computes them (one fixed tiling, K in order), then ``gradient_epilogue``."""
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(n_real, BLOCK_N), GROUP_M)
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = ordered_dot(
+        a_ptr, b_ptr, rm, rn, M, n_real, K, stride_am, stride_ak, stride_bn, stride_bk, acc,
+        K, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETED,
+    )  # fmt: skip
+    gradient_epilogue(
+        acc, rm, rn, M, n_real, lse_ptr, scale_ptr, g_target_ptr, target_ptr, out_ptr, stride_om, ROUND_LOGITS
+    )
+
+
+@triton.jit(do_not_specialize=["M", "n_real"])
+def gradient_logits_tma_kernel(
+    a_desc, b_desc, lse_ptr, scale_ptr, g_target_ptr, target_ptr, out_ptr, M, n_real, stride_om, K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PROGRAMS: tl.constexpr, ROUND_LOGITS: tl.constexpr,
+):  # fmt: skip
+    """``gradient_logits_kernel`` with its operands fetched by TMA descriptors and ``PROGRAMS`` persistent
+    programs: the same tiles, K order and epilogue."""
+    grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(n_real, BLOCK_N)
+    for pid in tl.range(tl.program_id(0), grid_m * grid_n, PROGRAMS, flatten=True):
+        pid_m, pid_n = grouped_tile(pid, grid_m, grid_n, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = a_desc.load([pid_m * BLOCK_M, k0])
+            b = b_desc.load([pid_n * BLOCK_N, k0])
+            acc = tl.dot(a, b.T, acc, input_precision="ieee")
+        rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        gradient_epilogue(
+            acc, rm, rn, M, n_real, lse_ptr, scale_ptr, g_target_ptr, target_ptr, out_ptr, stride_om, ROUND_LOGITS
+        )
+
+
+@triton.jit(do_not_specialize=["M", "N", "k_size"])
+def tma_matmul_kernel(
+    a_desc, b_desc, c_ptr, M, N, k_size, stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PROGRAMS: tl.constexpr, A_BY_K: tl.constexpr, B_BY_K: tl.constexpr, ACCUMULATE: tl.constexpr,
+):  # fmt: skip
+    """``invariant_matmul_kernel`` with TMA operands and persistent programs: c[M, N] (+)= A @ B, where A is
+    a_desc's [M, K] (A_BY_K: its [K, M], transposed on load) and B is b_desc's [N, K] (B_BY_K: its [K, N]).
+    One fixed tiling, K walked in order from ``acc`` = c (ACCUMULATE, c fp32) or zero; past the edges loads zero."""
+    grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    for pid in tl.range(tl.program_id(0), grid_m * grid_n, PROGRAMS, flatten=True):
+        pid_m, pid_n = grouped_tile(pid, grid_m, grid_n, GROUP_M)
+        rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        if ACCUMULATE:
+            acc = tl.load(
+                c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
+                mask=(rm[:, None] < M) & (rn[None, :] < N),
+                other=0.0,
+            )
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, k_size, BLOCK_K):
+            if A_BY_K:
+                a = a_desc.load([k0, pid_m * BLOCK_M]).T
+            else:
+                a = a_desc.load([pid_m * BLOCK_M, k0])
+            if B_BY_K:
+                b = b_desc.load([k0, pid_n * BLOCK_N])
+            else:
+                b = b_desc.load([pid_n * BLOCK_N, k0]).T
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        store_rounded(c_ptr, acc, rm, rn, M, N, stride_cm, stride_cn)

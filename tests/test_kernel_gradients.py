@@ -107,6 +107,42 @@ def test_triton_gradients_are_bitwise_the_same_at_every_tp(backend, dtype, devic
 
 
 @pytest.mark.parametrize("backend", INVARIANT)
+def test_d_hidden_is_the_same_sum_when_shards_start_off_the_kernels_k_step(backend, device, make_inputs):
+    """A 32-column tile split over 3 ranks starts rank 1 at column 96, off any 64-column step: the backward's
+    vocab steps follow the tile, so the ranks' sums are the one sum of tp = 1."""
+    skip_unless_runnable(backend, device)
+    inp = make_inputs(9, HIDDEN, 200, torch.float32, device)  # fp32: the accumulator's bits reach the output
+    up_logp, up_lse = upstream(9, device, inp.seed)
+    grads = []
+    for tp in (1, 3):
+        h = inp.hidden.clone().requires_grad_(True)
+        w = inp.weight.clone().requires_grad_(True)
+        result = kernels.lm_head_logprob(h, w, inp.targets, backend=backend, tp=tp, vocab_tile=32)
+        (result.logp * up_logp + result.lse * up_lse).sum().backward()
+        grads.append((h.grad, w.grad))
+    assert kernels.ShardingSpec.even(200, 32, 3).bounds[1][0] % 64, "the case must start a shard off a 64 step"
+    for name, a, b in zip(("d hidden", "d weight"), *grads, strict=True):
+        index = kernels.first_bit_difference(a, b)
+        assert index is None, f"{name} element {index} differs at tp=3 (seed {inp.seed})"
+
+
+@pytest.mark.parametrize("backend", INVARIANT)
+def test_gradient_bits_do_not_depend_on_how_many_vocab_columns_the_backward_holds(
+    backend, device, make_inputs, monkeypatch
+):
+    skip_unless_runnable(backend, device)
+    inp = make_inputs(10, HIDDEN, VOCAB, torch.float32, device)  # fp32: the accumulator's bits reach the output
+    up_logp, up_lse = upstream(10, device, inp.seed)
+    whole = backend_grads(backend, inp, up_logp, up_lse)
+    assert kernels.triton_backend.GRADIENT_CHUNK_COLUMNS >= VOCAB, "the baseline must hold the vocab at once"
+    monkeypatch.setattr(kernels.triton_backend, "GRADIENT_CHUNK_COLUMNS", TILE)
+    chunked = backend_grads(backend, inp, up_logp, up_lse)
+    for name, a, b in zip(("d hidden", "d weight"), whole, chunked, strict=True):
+        index = kernels.first_bit_difference(a, b)
+        assert index is None, f"{name} element {index} differs with one tile per chunk (seed {inp.seed})"
+
+
+@pytest.mark.parametrize("backend", INVARIANT)
 def test_a_rows_d_hidden_does_not_depend_on_the_other_rows_of_the_call(backend, device, make_inputs):
     skip_unless_runnable(backend, device)
     inp = make_inputs(40, HIDDEN, VOCAB, torch.bfloat16, device)
