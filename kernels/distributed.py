@@ -7,6 +7,11 @@ spec (``sharding.for_rank(rank)``), all-gathers the per-tile partials and target
 the same ``finish`` and checks that every rank holds the same bits; rank 0 sends the replicated result
 back. ``lm_head_logprob(..., tp_mode="distributed")`` uses the group opened with ``distributed_ranks(...)``
 when one matches the call, else a group for that call alone (docs/kernels.md#vocab-parallel-tp).
+
+A backward request (``RankGroup.gradients``) runs ``kernels.grad.rank_gradients`` on every rank: rank r receives
+the fp32 d hidden sum of ranks 0..r-1, adds its shard's products and sends it on, so the ranks continue one sum
+in global vocab order, the emulated mode's; the last rank broadcasts it, and each rank sends back its own d
+weight rows.
 """
 
 from __future__ import annotations
@@ -24,14 +29,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kernels.backend import ShardPartials, get_backend
+from kernels.backend import LogprobBackend, ShardPartials, get_backend
 from kernels.bitwise import bit_view
 from kernels.errors import ShapeMismatchError, TPConfigError
+from kernels.grad import Upstream, rank_gradients
 from kernels.ranks import LogprobResult, RankOutput, finish, rank_forward
 from kernels.sharding import ShardingSpec
 
 POLL_SECONDS = 1.0  # how often the caller checks that every rank process is still alive
 STOP = "stop"
+FORWARD, BACKWARD = "forward", "backward"  # the two requests a rank serves
 
 
 class RankGroup:
@@ -66,6 +73,33 @@ class RankGroup:
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> LogprobResult:
         """One distributed call; the weight is sent only when it is not the one the ranks hold."""
+        out = self._request(FORWARD, hidden, weight, targets)[0]
+        return replace(
+            out,
+            logp=out.logp.to(hidden.device),
+            lse=out.lse.to(hidden.device),
+            active=out.active.to(hidden.device),
+            owner_rank=out.owner_rank.to(hidden.device),
+        )
+
+    def gradients(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        lse: torch.Tensor,
+        g_logp: torch.Tensor | None,
+        g_lse: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d hidden [T, H], d weight [V, H]) of a forward whose lse is ``lse``, computed by the ranks."""
+        upstream = tuple(None if g is None else g.detach().to("cpu", copy=True) for g in (g_logp, g_lse))
+        replies = self._request(BACKWARD, hidden, weight, targets, lse.detach().to("cpu", copy=True), *upstream)
+        d_hidden = replies[0][0].to(hidden.device)
+        d_weight = torch.cat([rows for _, rows in replies]).to(weight.device)
+        return d_hidden, d_weight
+
+    def _request(self, kind: str, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *extra) -> list:
+        """Send one request to every rank and return their replies in rank order."""
         if weight.dim() != 2 or weight.shape[0] != self.sharding.vocab_size:
             raise ShapeMismatchError(
                 f"weight must be [V, H] with V={self.sharding.vocab_size} (the group's vocab split), "
@@ -75,27 +109,20 @@ class RankGroup:
         weight_key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, str(weight.device), weight._version)
         # Copies: the queue moves a CPU tensor's storage into shared memory, which must not be the caller's.
         new_weight = None if weight_key == self.weight_key else weight.detach().to("cpu", copy=True)
-        message = (hidden.detach().to("cpu", copy=True), targets.to("cpu", copy=True), new_weight)
+        message = (kind, hidden.detach().to("cpu", copy=True), targets.to("cpu", copy=True), new_weight, *extra)
         for requests in self._requests:
             requests.put(message)
         self.weight_key = weight_key
-        out = self._collect()
-        return replace(
-            out,
-            logp=out.logp.to(hidden.device),
-            lse=out.lse.to(hidden.device),
-            active=out.active.to(hidden.device),
-            owner_rank=out.owner_rank.to(hidden.device),
-        )
+        return self._collect()
 
-    def _collect(self) -> LogprobResult:
-        """Every rank's reply; a rank that failed or died ends the group and raises."""
-        pending, result = set(range(len(self._ranks))), None
-        while pending:
+    def _collect(self) -> list:
+        """Every rank's reply, in rank order; a rank that failed or died ends the group and raises."""
+        replies: dict[int, object] = {}
+        while len(replies) < len(self._ranks):
             try:
                 status, rank, payload = self._replies.get(timeout=POLL_SECONDS)
             except queue.Empty:
-                dead = [r for r in pending if not self._ranks[r].is_alive()]
+                dead = [r for r in range(len(self._ranks)) if r not in replies and not self._ranks[r].is_alive()]
                 if dead:
                     self.close()
                     raise RuntimeError(f"distributed rank(s) {dead} died (exit codes "
@@ -106,9 +133,8 @@ class RankGroup:
                 raise RuntimeError(
                     f"distributed rank {rank} failed (backend={self.key[0]}, tp={self.sharding.world_size}):\n{payload}"
                 )
-            pending.discard(rank)
-            result = payload if rank == 0 else result
-        return result
+            replies[rank] = payload
+        return [replies[rank] for rank in range(len(self._ranks))]
 
     def close(self) -> None:
         for process, requests in zip(self._ranks, self._requests, strict=True):
@@ -140,11 +166,33 @@ def run_distributed(
     backend: str, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, sharding: ShardingSpec
 ) -> LogprobResult:
     """The open group's ranks when it matches this call, else ranks spawned for this call alone."""
-    group = ACTIVE_GROUP.get()
-    if group is not None and group.key == (backend, sharding.for_rank(0), hidden.device.type):
+    with matching_group(backend, sharding, hidden.device.type) as group:
         return group(hidden, weight, targets)
-    with distributed_ranks(backend, sharding, hidden.device.type) as one_shot:
-        return one_shot(hidden, weight, targets)
+
+
+def distributed_gradients(
+    backend: str,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    g_logp: torch.Tensor | None,
+    g_lse: torch.Tensor | None,
+    sharding: ShardingSpec,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward of ``run_distributed``, on the open group's ranks when it matches, else on ranks of its own."""
+    with matching_group(backend, sharding, hidden.device.type) as group:
+        return group.gradients(hidden, weight, targets, lse, g_logp, g_lse)
+
+
+@contextlib.contextmanager
+def matching_group(backend: str, sharding: ShardingSpec, device_type: str) -> Iterator[RankGroup]:
+    group = ACTIVE_GROUP.get()
+    if group is not None and group.key == (backend, sharding.for_rank(0), device_type):
+        yield group
+        return
+    with distributed_ranks(backend, sharding, device_type) as one_shot:
+        yield one_shot
 
 
 def rank_loop(rank: int, split: ShardingSpec, backend: str, device_type: str, workdir: str, requests, replies) -> None:
@@ -163,21 +211,54 @@ def rank_loop(rank: int, split: ShardingSpec, backend: str, device_type: str, wo
     impl, weight = get_backend(backend), None
     try:
         while (request := requests.get()) != STOP:
-            hidden, targets, new_weight = request
+            kind, hidden, targets, new_weight, *extra = request
             try:
                 if new_weight is not None:
                     weight = new_weight.to(device)
                 hidden, targets = hidden.to(device), targets.to(device)
-                mine = rank_forward(impl, hidden, weight, targets, sharding)
-                ranks = [mine] if mine.partials is None else all_gather_partials(mine)
-                result = finish(impl, targets, sharding, ranks, tp_mode="distributed")
-                check_replicas_agree(result)
+                if kind == BACKWARD:
+                    reply = rank_backward(impl, hidden, weight, targets, sharding, *(on(device, e) for e in extra))
+                else:
+                    mine = rank_forward(impl, hidden, weight, targets, sharding)
+                    ranks = [mine] if mine.partials is None else all_gather_partials(mine)
+                    result = finish(impl, targets, sharding, ranks, tp_mode="distributed")
+                    check_replicas_agree(result)
+                    reply = to_cpu(result) if rank == 0 else None
             except Exception:  # any failure goes back to the caller, which ends the group
                 replies.put(("error", rank, traceback.format_exc()))
                 return
-            replies.put(("ok", rank, to_cpu(result) if rank == 0 else None))
+            replies.put(("ok", rank, reply))
     finally:
         dist.destroy_process_group()
+
+
+def rank_backward(
+    impl: LogprobBackend,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    sharding: ShardingSpec,
+    lse: torch.Tensor,
+    g_logp: torch.Tensor | None,
+    g_lse: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """This rank's part of the backward: (d hidden on rank 0, else None; its real d weight rows), on the CPU."""
+    rank, world = sharding.rank, sharding.world_size
+    d_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    if rank > 0:
+        dist.recv(d_hidden, src=rank - 1)  # ranks 0..rank-1's sum: this rank continues it
+    d_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    upstream = Upstream.of(targets, g_logp, g_lse)
+    rank_gradients(impl, hidden, weight, targets, lse, upstream, sharding, d_hidden, d_weight)
+    if rank < world - 1:
+        dist.send(d_hidden, dst=rank + 1)
+    dist.broadcast(d_hidden, src=world - 1)  # the finished sum, replicated like the forward's result
+    lo, hi = sharding.real_shard
+    return (d_hidden.to(hidden.dtype).cpu() if rank == 0 else None), d_weight[lo:hi].cpu()
+
+
+def on(device: torch.device, tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(device)
 
 
 def to_cpu(result: LogprobResult) -> LogprobResult:

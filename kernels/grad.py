@@ -14,6 +14,7 @@ rows are its own columns' products, summed over the call's rows in row order, so
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +43,9 @@ class Upstream:
 
 
 class TiledLogprobBackward(torch.autograd.Function):
-    """Attach the tiled backward to a forward computed without autograd (logp[T], lse[T] given)."""
+    """Attach a backward to a forward computed without autograd (logp[T], lse[T] given): ``gradients(hidden,
+    weight, targets, lse, g_logp, g_lse) -> (d hidden, d weight)``, ``tiled_gradients`` bound to a backend and a
+    split, or ``kernels.distributed.distributed_gradients`` (the same sums on the rank processes)."""
 
     @staticmethod
     def forward(
@@ -52,21 +55,20 @@ class TiledLogprobBackward(torch.autograd.Function):
         logp: torch.Tensor,
         lse: torch.Tensor,
         targets: torch.Tensor,
-        impl: LogprobBackend,
-        sharding: ShardingSpec,
+        gradients: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.impl, ctx.sharding = impl, sharding
+        ctx.gradients = gradients
         return logp.clone(), lse.clone()
 
     @staticmethod
     def backward(ctx: Any, g_logp: torch.Tensor | None, g_lse: torch.Tensor | None):
         hidden, weight, targets, lse = ctx.saved_tensors
-        d_hidden, d_weight = tiled_gradients(ctx.impl, hidden, weight, targets, lse, g_logp, g_lse, ctx.sharding)
+        d_hidden, d_weight = ctx.gradients(hidden.detach(), weight.detach(), targets, lse, g_logp, g_lse)
         return (
             d_hidden if ctx.needs_input_grad[0] else None,
             d_weight if ctx.needs_input_grad[1] else None,
-            None, None, None, None, None,
+            None, None, None, None,
         )  # fmt: skip
 
 

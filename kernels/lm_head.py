@@ -8,15 +8,16 @@ its contract's spec. The per-rank work and the merge are in ``kernels.ranks``; r
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
 
-from kernels.backend import LogprobBackend, get_backend
+from kernels import grad
+from kernels.backend import BACKENDS, LogprobBackend, get_backend
 from kernels.contract import TP_MODES
-from kernels.distributed import run_distributed
+from kernels.distributed import distributed_gradients, run_distributed
 from kernels.errors import KernelInputError, NonFiniteOutputError, ShapeMismatchError
-from kernels.grad import TiledLogprobBackward
 from kernels.provenance import NodeProvenance, call_node
 from kernels.ranks import LogprobResult, check_vocab_tile, finish, rank_forward, rank_logprob, require_finite
 from kernels.sharding import ShardingSpec
@@ -99,20 +100,27 @@ def sharded_lm_head_logprob(
     check_vocab_tile(impl, sharding.vocab_tile, hidden.device)
     check_target_range(targets, sharding.vocab_size)
     wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    tiled = hasattr(impl, "shard_gradients")  # else a backend of torch ops, which autograd differentiates itself
     if tp_mode == "distributed":
-        if wants_grad:  # the rank processes' results carry no graph: a silent no-gradient would be wrong
+        if wants_grad and not tiled:  # the rank processes' torch ops carry no graph: a silent no-gradient
+            differentiable = [name for name, backend in BACKENDS.items() if hasattr(backend, "shard_gradients")]
             raise KernelInputError(
-                "tp_mode='distributed' computes no gradient; run the backward with tp_mode='emulated' (the same "
-                "bits), or call under torch.no_grad()"
+                f"tp_mode='distributed' computes no gradient with backend {impl.id!r}: its ranks' autograd graphs "
+                f"stay in their processes; differentiate it with tp_mode='emulated' (the same bits), use a backend "
+                f"with a tiled backward ({', '.join(differentiable)}), or call under torch.no_grad()"
             )
-        result = run_distributed(backend, hidden, weight, targets, sharding)
-    elif wants_grad and hasattr(impl, "shard_gradients"):
+        with torch.no_grad():
+            result = run_distributed(backend, hidden, weight, targets, sharding)
+        gradients = functools.partial(distributed_gradients, backend, sharding=sharding)
+    elif wants_grad and tiled:
         with torch.no_grad():
             result = emulated(impl, hidden, weight, targets, sharding)
-        logp, lse = TiledLogprobBackward.apply(hidden, weight, result.logp, result.lse, targets, impl, sharding)
-        result = replace(result, logp=logp, lse=lse)
-    else:  # a backend made of torch ops differentiates through them
+        gradients = functools.partial(grad.tiled_gradients, impl, sharding=sharding)
+    else:
         result = emulated(impl, hidden, weight, targets, sharding)
+    if wants_grad and tiled:
+        logp, lse = grad.TiledLogprobBackward.apply(hidden, weight, result.logp, result.lse, targets, gradients)
+        result = replace(result, logp=logp, lse=lse)
     return require_finite(result, hidden.dtype)  # in the caller's process: typed in both tp modes
 
 
