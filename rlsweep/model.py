@@ -12,7 +12,7 @@ import torch
 from rlsweep.errors import ReplayInputError
 from rlsweep.spec import ModelSpec
 from rlsweep.synthetic import normal_matrix
-from rlsweep.tensor_files import TensorFile, TensorHeader
+from rlsweep.tensor_files import TensorFile, TensorHeader, bits_sha256
 
 GENERATION_ROWS = 8192  # synthetic weights are made in row blocks to bound memory on big heads
 
@@ -39,12 +39,6 @@ def config_fingerprint(model: ModelSpec) -> str:
     return hashlib.sha256(json.dumps(geometry, sort_keys=True).encode()).hexdigest()
 
 
-def weight_sha256(weight: torch.Tensor) -> str:
-    """sha256 of the weight's bytes exactly as the kernels receive them."""
-    data = weight.detach().contiguous().cpu().view(torch.uint8).numpy()
-    return hashlib.sha256(data.tobytes()).hexdigest()
-
-
 def check_weight_file(model: ModelSpec) -> None:
     """A weight file's header holds the head in a shape the model declares; nothing is loaded."""
     if model.weights.kind == "file":
@@ -52,12 +46,12 @@ def check_weight_file(model: ModelSpec) -> None:
 
 
 def build_lm_head(model: ModelSpec, *, dtype: torch.dtype, device: torch.device) -> LmHead:
-    """Make or read the head; the weight hash is computed from what was built."""
+    """Make or read the head; the weight hash is of the bytes built, exactly as the kernels receive them."""
     if model.weights.kind == "synthetic":
         weight = synthetic_weight(model, dtype=dtype, device=device)
     else:
         weight = file_weight(model, dtype=dtype).to(device)
-    return LmHead(model.name, weight, config_fingerprint(model), weight_sha256(weight))
+    return LmHead(model.name, weight, config_fingerprint(model), bits_sha256(weight))
 
 
 def synthetic_weight(model: ModelSpec, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

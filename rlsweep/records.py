@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -14,6 +13,7 @@ import torch
 from kernels import GradientBound
 from rlsweep.execute import CellResult
 from rlsweep.tables import CHECKS_SCHEMA, TOKENS_SCHEMA, build_table
+from rlsweep.tensor_files import bits_sha256
 from rlsweep.verdicts import Verdict
 from rlsweep.workload import Workload
 
@@ -57,7 +57,7 @@ def tokens_table(
 
 def row_bits(row: torch.Tensor) -> str:
     """A token's d hidden as a short fingerprint of its bits: equal rows have equal ones, so runs compare bitwise."""
-    return hashlib.sha256(row.contiguous().numpy().tobytes()).hexdigest()[:16]
+    return bits_sha256(row)[:16]
 
 
 def checks_table(run: Mapping[str, Any], verdicts: Sequence[Verdict]) -> pa.Table:

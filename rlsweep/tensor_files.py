@@ -1,11 +1,13 @@
-"""Local safetensors inputs (the weight file, replay captures): headers read before any tensor is loaded.
+"""Tensors as bytes: local safetensors inputs (the weight file, replay captures), whose headers are read before any
+tensor is loaded, and the digest of a tensor's bits (``bits_sha256``).
 
-Every failure to read one is a ``ReplayInputError`` naming the file, the config key that points at it and what
-is wrong: missing, unreadable, truncated or not safetensors at all.
+Every failure to read an input is a ``ReplayInputError`` naming the file, the config key that points at it and
+what is wrong: missing, unreadable, truncated or not safetensors at all.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -89,3 +91,10 @@ class TensorFile:
 
 def header(tensor_slice: Any) -> TensorHeader:
     return TensorHeader(str(tensor_slice.get_dtype()), tuple(int(n) for n in tensor_slice.get_shape()))
+
+
+def bits_sha256(tensor: torch.Tensor) -> str:
+    """sha256 (hex) of a tensor's bytes as held: its dtype's bit patterns in row-major order, so equal bits give
+    equal digests (-0.0 and 0.0, or two NaN payloads, do not). The weight's hash and the gradients' fingerprints."""
+    data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(data).hexdigest()
