@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -37,9 +37,9 @@ CUDA_TILING = {
     torch.bfloat16: MatmulTiling(128, 256, 64, 8, 8, 3),  # H200: 0.71x cuBLAS at T=16384 (docs/benchmarks.md)
     torch.float32: MatmulTiling(128, 64, 32, 8, 8, 3),
 }
-# The backward's d hidden += d logits @ w starts from the fp32 sum in memory, whose block takes 128 KB of shared
-# memory beside the pipeline: a 32-column K step and 4 stages fit the H200's 227 KB (64 x 3 asked 272 KB).
-D_HIDDEN_TILING = {torch.bfloat16: MatmulTiling(128, 256, 32, 8, 8, 4), torch.float32: CUDA_TILING[torch.float32]}
+# The backward's d hidden += d logits @ w: same tiles as the matmul (an fp32 output block takes 128 KB of shared
+# memory, so its TMA kernel runs one program per tile: docs/benchmarks.md).
+D_HIDDEN_TILING = {torch.bfloat16: MatmulTiling(128, 256, 64, 8, 8, 3), torch.float32: CUDA_TILING[torch.float32]}
 INTERPRETER_TILING = MatmulTiling(64, 256, 64, 8, 4, 1)  # 64*64*256 products: under the 2**20 block cap
 # The fused head's tiling: its tile of vocab columns is the contract's vocab_tile, so only the rows and the K
 # step are chosen here, per device kind and dtype, never from M or N (docs/kernels.md, "The fused head").
@@ -98,7 +98,7 @@ def _load_kernels(device: torch.device) -> tuple[ModuleType, bool]:
 @register_backend(
     "triton",
     kernels={
-        "matmul": {f"{TRITON_KERNELS}.invariant_matmul_kernel"},
+        "matmul": {f"{TRITON_KERNELS}.invariant_matmul_kernel", f"{TRITON_KERNELS}.tma_matmul_kernel"},
         "logprob": {f"{TRITON_KERNELS}.tile_partials_kernel"},
         "tp_merge": {f"{TRITON_KERNELS}.ordered_merge_kernel"},
     },
@@ -121,18 +121,11 @@ class TritonBackend:
         """hidden @ weight.T in one fixed tiling, fp32 accumulation, rounded once to ``out_dtype``."""
         kernels_module, interpreted = _load_kernels(hidden.device)
         tiling = INTERPRETER_TILING if interpreted else CUDA_TILING[hidden.dtype]
-        rows, cols, depth = hidden.shape[0], weight.shape[0], hidden.shape[1]
+        rows, cols = hidden.shape[0], weight.shape[0]
         logits = aligned_empty(rows, cols, out_dtype, hidden.device)
-        grid = (triton_cdiv(rows, tiling.block_m) * triton_cdiv(cols, tiling.block_n),)
-        launch_triton(
-            kernels_module.invariant_matmul_kernel, grid,
-            hidden, weight, logits, rows, cols, depth, depth,
-            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-            logits.stride(0), logits.stride(1),
-            BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
-            GROUP_M=tiling.group_m, ACCUMULATE=False, INTERPRETED=interpreted,
-            num_warps=tiling.num_warps, num_stages=tiling.num_stages,
-        )  # fmt: skip
+        matmul = matmul_launcher(interpreted, hidden, weight)
+        matmul(kernels_module, hidden, weight, logits, tiling, tiling.block_k, a_by_k=False, b_by_k=False,
+               accumulate=False)  # fmt: skip
         return logits, observe("matmul", self.id, logits, interpreted=interpreted)
 
     def shard_gradients(
@@ -164,8 +157,8 @@ class TritonBackend:
         vocab_step = min(d_hidden_tiling.block_k, tile)
         chunk = max(tile, GRADIENT_CHUNK_COLUMNS // tile * tile)
         buffer = aligned_empty(rows, min(chunk, columns), hidden.dtype, hidden.device)
-        tma = not interpreted and hidden.dtype == torch.bfloat16 and tma_ready(hidden, weight)
-        matmul = tma_matmul if tma else functools.partial(pointer_matmul, interpreted=interpreted)
+        matmul = matmul_launcher(interpreted, hidden, weight)
+        tma = matmul is tma_matmul
         round_logits = self.logits_dtype(hidden.dtype) == torch.bfloat16  # recompute the logits the forward stored
         for start in range(0, columns, chunk):
             stop = min(start + chunk, columns)
@@ -248,7 +241,7 @@ class TritonBackend:
     kernels={
         "matmul": {
             f"{TRITON_KERNELS}.{name}"
-            for name in ("fused_head_kernel", "fused_head_tma_kernel", "invariant_matmul_kernel")
+            for name in ("fused_head_kernel", "fused_head_tma_kernel", "invariant_matmul_kernel", "tma_matmul_kernel")
         },
         "logprob": {
             f"{TRITON_KERNELS}.{name}"
@@ -345,7 +338,9 @@ def pointer_matmul(kernels_module, a, b, c, tiling, block_k, *, a_by_k, b_by_k, 
 
 
 def tma_matmul(kernels_module, a, b, c, tiling, block_k, *, a_by_k, b_by_k, accumulate):
-    """``pointer_matmul`` by ``tma_matmul_kernel``: TMA operands, persistent programs (compute capability 9+)."""
+    """``pointer_matmul`` by ``tma_matmul_kernel`` (compute capability 9+): persistent programs for a bf16 output;
+    one program per tile for an fp32 one, whose 128 KB output block fits beside the pipeline only once its buffers
+    are free (H200: persistent ran out of shared memory or, with 2 stages, took 2.0 ms where this takes 1.0)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     rows, cols = c.shape
@@ -353,15 +348,24 @@ def tma_matmul(kernels_module, a, b, c, tiling, block_k, *, a_by_k, b_by_k, accu
     a_block = [block_k, tiling.block_m] if a_by_k else [tiling.block_m, block_k]
     b_block = [block_k, tiling.block_n] if b_by_k else [tiling.block_n, block_k]
     tiles = triton_cdiv(rows, tiling.block_m) * triton_cdiv(cols, tiling.block_n)
-    programs = min(tiles, FUSED_PROGRAMS_PER_SM * multiprocessors(c.device))
+    persistent = c.element_size() < 4
+    programs = min(tiles, FUSED_PROGRAMS_PER_SM * multiprocessors(c.device)) if persistent else 0
     launch_triton(
-        kernels_module.tma_matmul_kernel, (programs,),
+        kernels_module.tma_matmul_kernel, (programs or tiles,),
         TensorDescriptor.from_tensor(a, a_block), TensorDescriptor.from_tensor(b, b_block),
         c, rows, cols, depth, c.stride(0), c.stride(1),
         BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_K=block_k, GROUP_M=tiling.group_m,
         PROGRAMS=programs, A_BY_K=a_by_k, B_BY_K=b_by_k, ACCUMULATE=accumulate,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )  # fmt: skip
+
+
+def matmul_launcher(interpreted: bool, hidden: torch.Tensor, weight: torch.Tensor) -> Callable[..., None]:
+    """``tma_matmul`` for bf16 operands where TMA is ready, else ``pointer_matmul``: decided by the device, the
+    dtype and the hidden size (the operands' alignment), never by the number of rows."""
+    if not interpreted and hidden.dtype == torch.bfloat16 and tma_ready(hidden, weight):
+        return tma_matmul
+    return functools.partial(pointer_matmul, interpreted=interpreted)
 
 
 def tma_ready(hidden: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -314,30 +314,51 @@ def tma_matmul_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PROGRAMS: tl.constexpr, A_BY_K: tl.constexpr, B_BY_K: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):  # fmt: skip
-    """``invariant_matmul_kernel`` with TMA operands and persistent programs: c[M, N] (+)= A @ B, where A is
-    a_desc's [M, K] (A_BY_K: its [K, M], transposed on load) and B is b_desc's [N, K] (B_BY_K: its [K, N]).
-    One fixed tiling, K walked in order from ``acc`` = c (ACCUMULATE, c fp32) or zero; past the edges loads zero."""
+    """``invariant_matmul_kernel`` with TMA operands: c[M, N] (+)= A @ B, where A is a_desc's [M, K] (A_BY_K: its
+    [K, M], transposed on load) and B is b_desc's [N, K] (B_BY_K: its [K, N]). One fixed tiling, K walked in order
+    from ``acc`` = c (ACCUMULATE, c fp32) or zero; past the edges loads zero. PROGRAMS > 0: that many persistent
+    programs walk the tiles in launch order; 0: one program per tile (the pipeline's buffers are then free for
+    the epilogue). Which program takes a tile never changes the tile's arithmetic."""
     grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    for pid in tl.range(tl.program_id(0), grid_m * grid_n, PROGRAMS, flatten=True):
-        pid_m, pid_n = grouped_tile(pid, grid_m, grid_n, GROUP_M)
-        rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-        if ACCUMULATE:
-            acc = tl.load(
-                c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
-                mask=(rm[:, None] < M) & (rn[None, :] < N),
-                other=0.0,
-            )
+    if PROGRAMS > 0:
+        for pid in tl.range(tl.program_id(0), grid_m * grid_n, PROGRAMS, flatten=True):
+            tma_matmul_tile(
+                a_desc, b_desc, c_ptr, pid, grid_m, grid_n, M, N, k_size, stride_cm, stride_cn,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, A_BY_K, B_BY_K, ACCUMULATE,
+            )  # fmt: skip
+    else:
+        tma_matmul_tile(
+            a_desc, b_desc, c_ptr, tl.program_id(0), grid_m, grid_n, M, N, k_size, stride_cm, stride_cn,
+            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, A_BY_K, B_BY_K, ACCUMULATE,
+        )  # fmt: skip
+
+
+@triton.jit
+def tma_matmul_tile(
+    a_desc, b_desc, c_ptr, pid, grid_m, grid_n, M, N, k_size, stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    A_BY_K: tl.constexpr, B_BY_K: tl.constexpr, ACCUMULATE: tl.constexpr,
+):  # fmt: skip
+    """One output block of ``tma_matmul_kernel``."""
+    pid_m, pid_n = grouped_tile(pid, grid_m, grid_n, GROUP_M)
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    if ACCUMULATE:
+        acc = tl.load(
+            c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
+            mask=(rm[:, None] < M) & (rn[None, :] < N),
+            other=0.0,
+        )
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k_size, BLOCK_K):
+        if A_BY_K:
+            a = a_desc.load([k0, pid_m * BLOCK_M]).T
         else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, k_size, BLOCK_K):
-            if A_BY_K:
-                a = a_desc.load([k0, pid_m * BLOCK_M]).T
-            else:
-                a = a_desc.load([pid_m * BLOCK_M, k0])
-            if B_BY_K:
-                b = b_desc.load([k0, pid_n * BLOCK_N])
-            else:
-                b = b_desc.load([pid_n * BLOCK_N, k0]).T
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        store_rounded(c_ptr, acc, rm, rn, M, N, stride_cm, stride_cn)
+            a = a_desc.load([pid_m * BLOCK_M, k0])
+        if B_BY_K:
+            b = b_desc.load([k0, pid_n * BLOCK_N])
+        else:
+            b = b_desc.load([pid_n * BLOCK_N, k0]).T
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    store_rounded(c_ptr, acc, rm, rn, M, N, stride_cm, stride_cn)

@@ -366,4 +366,6 @@ def test_the_triton_op_passes_its_own_provenance_check_at_tp_2():
     wanted = kernels.LogprobContract.even(40, TILE, 2, dtype=torch.float32, platform="cpu")
     result = kernels.get_logprob_op(wanted, "triton")(hidden, weight, targets)
     launched = {name: set(node.kernels) for name, node in result.provenance.nodes.items()}
-    assert launched == kernels.BACKENDS["triton"].declared_kernels
+    declared = kernels.BACKENDS["triton"].declared_kernels
+    assert launched.keys() == declared.keys()
+    assert all(launched[node] and launched[node] <= declared[node] for node in declared), (launched, declared)

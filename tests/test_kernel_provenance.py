@@ -88,7 +88,8 @@ def test_a_triton_launch_is_named_by_the_function_launched_and_keeps_its_configu
     inp = make_inputs(ROWS, HIDDEN, VOCAB, torch.float32, "cpu")
     _, provenance = kernels.matmul(inp.hidden, inp.weight, backend="triton")
     (launch,) = provenance.launches
-    assert {launch.kernel} == TRITON_DECLARED["matmul"]
+    assert launch.kernel == "kernels.triton_kernels.invariant_matmul_kernel"  # the interpreter's: pointer loads
+    assert launch.kernel in TRITON_DECLARED["matmul"]
     tiling = INTERPRETER_TILING
     expected = {"BLOCK_M": tiling.block_m, "BLOCK_N": tiling.block_n, "BLOCK_K": tiling.block_k}
     assert launch.config.items() >= {**expected, "num_warps": tiling.num_warps}.items()
@@ -123,7 +124,7 @@ def test_a_fallback_on_one_rank_only_is_reported(make_inputs):
         TritonFallingBackOnNarrowShards
     )
     matmul = run(make_inputs, "toy", 2).provenance.nodes["matmul"]
-    assert matmul.kernels == (*TRITON_DECLARED["matmul"], "aten::mm")
+    assert matmul.kernels == ("kernels.triton_kernels.invariant_matmul_kernel", "aten::mm")
     only_matmul = kernels.Provenance({"matmul": matmul}, 2, "emulated")
     assert kernels.provenance_mismatches({}, only_matmul) == [torch_mm_in_triton_matmul("toy")]
 
