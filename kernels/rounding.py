@@ -15,6 +15,7 @@ with u = 2**-24 (fp32) and gamma(n) = n u / (1 - n u).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -111,6 +112,7 @@ def gradient_bound(
     *,
     logits_dtype: torch.dtype,
     lse_bound: torch.Tensor | None = None,
+    calls: Sequence[torch.Tensor] | None = None,
 ) -> GradientBound:
     """How far the gradient of sum(g_logp * logp + g_lse * lse) may be from float64 (docs/contract.md).
 
@@ -126,6 +128,9 @@ def gradient_bound(
 
     plus half an ulp of the gradient's own dtype (the inputs') at the value. u = 2**-24, c = g_lse - g_logp.
     ``lse_bound``: ``rounding_bound(...).lse`` of the same inputs where the caller has it already.
+    ``calls``: the rows of each kernel call, a partition of the rows (None: one call of them all). Each call's d
+    weight is rounded to the inputs' dtype on its own, with T its own rows, and the caller sums the calls' d weight
+    in fp32 (gamma(calls) of their magnitudes more); d hidden does not change, as each row is in one call.
     """
     u = FP32_UNIT_ROUNDOFF
     h, w = hidden.double(), weight.double()
@@ -137,31 +142,44 @@ def gradient_bound(
         lse_bound = rounding_bound(hidden, weight, targets, logits_dtype=logits_dtype).lse
     lse_bound = lse_bound.double().to(h.device)
     gradient_dtype = min((logits_dtype, hidden.dtype), key=SIGNIFICAND_BITS.__getitem__)
+    every_row = torch.arange(rows, device=h.device)
+    calls = [every_row] if calls is None else [torch.as_tensor(c, device=h.device).long() for c in calls]
+    covered = torch.sort(torch.cat(calls)).values if calls else every_row[:0]
+    if covered.shape != every_row.shape or not bool((covered == every_row).all()):
+        raise ValueError(f"calls must partition the {rows} rows, each row in exactly one call")
+    summed = gamma(len(calls)) if len(calls) > 1 else 0.0  # the caller's fp32 sum of the calls' d weight
     d_hidden = torch.zeros_like(h)
     bound_hidden = torch.zeros_like(h)
     d_weight = torch.zeros_like(w)
     bound_weight = torch.zeros_like(w)
     chunk = max(1, BOUND_CHUNK_ELEMENTS // max(vocab, 1))
-    for part in torch.split(torch.arange(rows, device=h.device), chunk):
-        x, e = logit_errors(hidden[part], weight, logits_dtype)
-        lse = torch.logsumexp(x, dim=1, keepdim=True)
-        p = torch.exp(x - lse)
-        b = lse_bound[part][:, None]
-        exponent = e + b + 4 * u * (x.abs() + lse.abs() + e + b)
-        dp = p * (torch.exp(exponent) * (1 + 16 * u) - 1)
-        c = scale[part][:, None]
-        onehot = torch.zeros_like(x)
-        owned = active[part]
-        onehot[owned, targets[part][owned]] = 1.0
-        d_logits = g_logp[part][:, None] * onehot + c * p
-        spread = (1 + 2 * u) * c.abs() * dp + 3 * u * c.abs() * (p + dp) + u * g_logp[part].abs()[:, None] * onehot
-        if SIGNIFICAND_BITS[gradient_dtype] < SIGNIFICAND_BITS[torch.float32]:
-            spread = spread + half_ulp(d_logits.abs() + spread, gradient_dtype)
-        magnitude = d_logits.abs() + spread
-        d_hidden[part] = d_logits @ w
-        bound_hidden[part] = spread @ w.abs() + gamma(vocab + 1) * (magnitude @ w.abs())
-        d_weight += d_logits.T @ h[part]
-        bound_weight += spread.T @ h[part].abs() + gamma(rows + 1) * (magnitude.T @ h[part].abs())
+    for call in calls:
+        call_weight = torch.zeros_like(w) if len(calls) > 1 else d_weight
+        call_bound = torch.zeros_like(w) if len(calls) > 1 else bound_weight
+        for part in torch.split(call, chunk):
+            x, e = logit_errors(hidden[part], weight, logits_dtype)
+            lse = torch.logsumexp(x, dim=1, keepdim=True)
+            p = torch.exp(x - lse)
+            b = lse_bound[part][:, None]
+            exponent = e + b + 4 * u * (x.abs() + lse.abs() + e + b)
+            dp = p * (torch.exp(exponent) * (1 + 16 * u) - 1)
+            c = scale[part][:, None]
+            onehot = torch.zeros_like(x)
+            owned = active[part]
+            onehot[owned, targets[part][owned]] = 1.0
+            d_logits = g_logp[part][:, None] * onehot + c * p
+            spread = (1 + 2 * u) * c.abs() * dp + 3 * u * c.abs() * (p + dp)
+            spread = spread + u * g_logp[part].abs()[:, None] * onehot
+            if SIGNIFICAND_BITS[gradient_dtype] < SIGNIFICAND_BITS[torch.float32]:
+                spread = spread + half_ulp(d_logits.abs() + spread, gradient_dtype)
+            magnitude = d_logits.abs() + spread
+            d_hidden[part] = d_logits @ w
+            bound_hidden[part] = spread @ w.abs() + gamma(vocab + 1) * (magnitude @ w.abs())
+            call_weight += d_logits.T @ h[part]
+            call_bound += spread.T @ h[part].abs() + gamma(call.numel() + 1) * (magnitude.T @ h[part].abs())
+        call_bound += half_ulp(call_weight.abs() + call_bound, weight.dtype)
+        if len(calls) > 1:
+            d_weight += call_weight
+            bound_weight += call_bound + summed * (call_weight.abs() + call_bound)
     bound_hidden = bound_hidden + half_ulp(d_hidden.abs() + bound_hidden, hidden.dtype)
-    bound_weight = bound_weight + half_ulp(d_weight.abs() + bound_weight, weight.dtype)
     return GradientBound(bound_hidden.cpu(), bound_weight.cpu(), d_hidden.cpu(), d_weight.cpu())

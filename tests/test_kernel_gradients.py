@@ -93,6 +93,42 @@ def test_gradients_are_within_the_rounding_model_of_float64(backend, dtype, tp, 
 
 
 @pytest.mark.parametrize("backend", INVARIANT)
+def test_d_weight_summed_over_several_calls_is_within_the_bound_of_those_calls(backend, device, make_inputs):
+    """A layout cell that splits its rows over kernel calls sums their d weight, each rounded to bf16: the bound
+    of ``gradient_bound(calls=...)`` covers the sum taken in fp32."""
+    skip_unless_runnable(backend, device)
+    inp = make_inputs(12, HIDDEN, VOCAB, torch.bfloat16, device)
+    up_logp, up_lse = upstream(12, device, inp.seed)
+    calls = [torch.arange(0, 5), torch.arange(5, 6), torch.arange(6, 12)]
+    w = inp.weight.clone().requires_grad_(True)
+    total = torch.zeros(w.shape, dtype=torch.float32, device=device)
+    for rows in calls:
+        rows = rows.to(device)
+        result = kernels.lm_head_logprob(inp.hidden[rows], w, inp.targets[rows], backend=backend, vocab_tile=TILE)
+        (d_weight,) = torch.autograd.grad((result.logp * up_logp[rows] + result.lse * up_lse[rows]).sum(), w)
+        total += d_weight.float()
+    logits = torch.float32 if backend == "triton_fused" else torch.bfloat16
+    bound = kernels.rounding.gradient_bound(
+        inp.hidden, inp.weight, inp.targets, up_logp, up_lse, logits_dtype=logits, calls=calls
+    )
+    err = (total.double().cpu() - bound.reference_weight).abs()
+    worst = int((err / bound.weight).argmax())
+    assert bool((err <= bound.weight).all()), (
+        f"d weight off by {err.flatten()[worst]:.3g}, bound {bound.weight.flatten()[worst]:.3g} (seed {inp.seed})"
+    )
+
+
+def test_the_calls_of_a_gradient_bound_must_partition_the_rows(make_inputs):
+    inp = make_inputs(4, HIDDEN, VOCAB, torch.float32, "cpu")
+    up_logp, up_lse = upstream(4, "cpu", inp.seed)
+    for calls in ([torch.arange(0, 3)], [torch.arange(0, 3), torch.arange(2, 4)]):
+        with pytest.raises(ValueError, match="calls must partition the 4 rows"):
+            kernels.rounding.gradient_bound(
+                inp.hidden, inp.weight, inp.targets, up_logp, up_lse, logits_dtype=torch.float32, calls=calls
+            )
+
+
+@pytest.mark.parametrize("backend", INVARIANT)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_triton_gradients_are_bitwise_the_same_at_every_tp(backend, dtype, device, make_inputs):
     skip_unless_runnable(backend, device)
