@@ -34,7 +34,7 @@ from rlsweep.verdicts import FORWARD_TENSORS, Judgment
 RUN_DIR = "run_dir"  # added column: the directory the row's run tables were read from
 LEVEL = "level"  # added checks column: RUN_LEVEL (checks.parquet) or SWEEP_LEVEL (sweep_checks.parquet)
 RUN_LEVEL, SWEEP_LEVEL = "run", "sweep"
-TEXT_COLUMNS = ("detail", "grad_bits")  # string columns that stay text (free, or one value per row)
+TEXT_COLUMNS = ("detail", "grad_bits", "grad_weight_bits")  # string columns that stay text: free, or digests
 NULLABLE_COLUMNS = ("first_sample_id", "first_position")  # null when nothing diverged
 KEY = ("sample_id", "position")  # the logical identity of a token (docs/index.md)
 REFERENCE = "reference"  # rhs of dlogp meaning: the float64 reference logp of the lhs tokens themselves

@@ -14,6 +14,7 @@ from rlsweep.layouts import NONE, Call, Cell, largest_calls, restore_logical_ord
 from rlsweep.model import GENERATION_ROWS
 from rlsweep.spec import RunSpec
 from rlsweep.synthetic import normal_matrix_bytes
+from rlsweep.tensor_files import bits_sha256
 from rlsweep.workload import Workload, WorkloadShape
 
 REFERENCE_BACKEND = "reference"
@@ -21,6 +22,12 @@ FLOAT64_BYTES = 8  # the reference and the target sampling compute in float64
 FLOAT32_BYTES = 4  # the stock path upcasts logits to fp32 before its vocab reductions
 WORKING_ARRAYS = 3  # a reduction over the vocab holds its input, x - max and exp(x - max) at once
 RECORD_BYTES = 768  # per (cell, token): results, then the tokens table as Python lists and Arrow (measured ~650 on CPU)
+GRAD_RECORD_BYTES = 320  # grad=true, per (cell, token): the tokens table's gradient columns (measured ~300 on CPU)
+INT32_BYTES = 4
+# kernels.gradient_bound's float64 working set besides its outputs, in arrays of [V, H] and of [rows, V]. Measured
+# peaks on CPU, outputs included: 73 bytes per weight element (V = 32768, H = 1024, T = 64) and 110-113 per logit
+# (V = 512 and 4096, H = 64, T = 16000 and 4000).
+GRADIENT_BOUND_ARRAYS = {"weight": 8, "logits": 14}
 RUNTIME_BYTES = 256 << 20  # code and buffers loaded on first use (measured on CPU: 70 MiB aten, 140 MiB Triton)
 MIB, GIB = 1 << 20, 1 << 30
 
@@ -32,7 +39,8 @@ LogprobCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], kernels.Logpr
 @dataclass(frozen=True)
 class CellResult:
     """One cell's outputs restored to logical order: logp/lse [T] (CPU), owner_rank [T], per-call provenance;
-    with an upstream gradient, d hidden [T, H] (fp32, CPU) and d weight [V, H] summed over the calls (fp32)."""
+    with an upstream gradient, d hidden [T, H] (fp32, CPU), d weight [V, H] summed over the calls (fp32, CPU; the
+    run drops it once judged) and the sha256 of that d weight's bits (``bits_sha256``), which the run keeps."""
 
     cell: Cell
     logp: torch.Tensor
@@ -41,6 +49,7 @@ class CellResult:
     provenance: tuple[kernels.Provenance, ...]
     grad_hidden: torch.Tensor | None = None
     grad_weight: torch.Tensor | None = None
+    grad_weight_bits: str | None = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,7 @@ def run_cell(
         owners.append(result.owner_rank.cpu())
         provenance.append(result.provenance)
     total = workload.num_tokens
+    weight_grad = None if weight_grad is None else weight_grad.cpu()
     return CellResult(
         cell=cell,
         logp=restore_logical_order(cell, logps, total),
@@ -109,7 +119,8 @@ def run_cell(
         owner_rank=restore_logical_order(cell, owners, total),
         provenance=tuple(provenance),
         grad_hidden=restore_logical_order(cell, hidden_grads, total) if upstream is not None else None,
-        grad_weight=None if weight_grad is None else weight_grad.cpu(),
+        grad_weight=weight_grad,
+        grad_weight_bits=None if weight_grad is None else bits_sha256(weight_grad),
     )
 
 
@@ -163,8 +174,14 @@ def peak_bytes(spec: RunSpec, shape: WorkloadShape) -> Footprint:
     - the largest kernel call: its input R*H*e, every rank's logits [R, V] in the execution dtype, three fp32
       working arrays [R, V] (upcast, x - max, exp: the stock path's need, above Triton's) and the fp32
       per-tile partials (max, sum) [R, V_pad / vocab_tile];
-    - with grad=true: the canonical cell's fp32 d weight, held; a call's backward (d weight in fp32 and in the
-      execution dtype, the cell's running fp32 sum); the float64 gradients and bounds of ``kernels.gradient_bound``.
+    - with grad=true, held from ``kernels.gradient_bound`` on: the float64 gold d hidden and d weight and their
+      bounds, 2*(V + T)*H*8; every cell's fp32 d hidden, C*T*H*4; C*T*GRAD_RECORD_BYTES for the tokens table's
+      gradient columns. No cell's d weight is held: each is judged when its cell ends and dropped, its digest kept;
+    - with grad=true, the phases: ``kernels.gradient_bound`` (float64 arrays [V, H] and [T, V] besides its
+      outputs, GRADIENT_BOUND_ARRAYS); a call's backward (its d weight in the execution dtype and in fp32, the
+      previous call's fp32 copy and the cell's running fp32 sum, 3*4 + e bytes per weight element, and the
+      call's d hidden); judging a cell's d weight (its fp32 sum, a float64 copy, three float64 comparison arrays
+      and two int32 index arrays, all [V, H]).
 
     Not counted: reading a weight or replay file (as stored, then cast; the reference phase is larger unless
     the file is float64 and pads its vocab), copies a CUDA run keeps on the host (the target CDF, the
@@ -199,16 +216,20 @@ def peak_bytes(spec: RunSpec, shape: WorkloadShape) -> Footprint:
     if model.weights.kind == "synthetic":
         phases["weight generation"] = weight + normal_matrix_bytes(min(GENERATION_ROWS, vocab), hidden)
     if spec.grad:
-        # The canonical cell's d weight (fp32) is held; kernels.gradient_bound holds float64 copies of the inputs,
-        # d weight and its bound, and working arrays [rows, V] for a chunk of rows (up to all T).
-        resident["canonical d weight"] = vocab * hidden * FLOAT32_BYTES
+        resident["float64 gradients and bounds"] = 2 * (weight64 + tokens * hidden * FLOAT64_BYTES)
+        resident["every cell's d hidden and gradient columns"] = (
+            len(calls) * tokens * (hidden * FLOAT32_BYTES + GRAD_RECORD_BYTES)
+        )
+        # Its working arrays [rows, V] are for a chunk of rows, up to all T.
         phases["gradient gold and bounds"] = (
-            weight64 * 3 + tokens * hidden * FLOAT64_BYTES * 3 + 8 * tokens * vocab * FLOAT64_BYTES
+            GRADIENT_BOUND_ARRAYS["weight"] * weight64
+            + tokens * hidden * FLOAT64_BYTES
+            + GRADIENT_BOUND_ARRAYS["logits"] * tokens * vocab * FLOAT64_BYTES
         )
-        # A call's backward: d weight in fp32 and in the execution dtype, the running cell sum, the call's d hidden.
         phases[f"backward of the call of {rows} rows"] = (
-            vocab * hidden * (2 * FLOAT32_BYTES + itemsize) + rows * hidden * 2 * FLOAT32_BYTES
+            vocab * hidden * (3 * FLOAT32_BYTES + itemsize) + rows * hidden * 2 * FLOAT32_BYTES
         )
+        phases["judging a cell's d weight"] = vocab * hidden * (FLOAT32_BYTES + 4 * FLOAT64_BYTES + 2 * INT32_BYTES)
     if synthetic_workload:
         phases["target sampling"] = (
             weight64 + active * hidden * FLOAT64_BYTES + WORKING_ARRAYS * active * vocab * FLOAT64_BYTES

@@ -347,7 +347,8 @@ def tp_invariance(lhs: RunTables, baseline: RunTables) -> list[Verdict]:
     cells = [cell for cell in lhs.tokens["cell"].unique() if cell in set(baseline.tokens["cell"])]
     verdicts = [v for cell in cells for v in compare_cell(Judgment.TP_INVARIANCE, lhs, baseline, cell, scope)]
     if scope == kernels.DeterminismScope.CROSS_TP_BITWISE:
-        verdicts += [v for cell in cells if (v := gradient_tp_invariance(lhs, baseline, cell)) is not None]
+        for judge in (gradient_tp_invariance, weight_gradient_tp_invariance):
+            verdicts += [v for cell in cells if (v := judge(lhs, baseline, cell)) is not None]
     return apply_expected(verdicts, lhs.expected_red)
 
 
@@ -377,6 +378,31 @@ def gradient_tp_invariance(lhs: RunTables, baseline: RunTables, cell: str) -> Ve
         first_position=None if first is None else int(first["position"]),
         detail=f"{lhs.label} vs {baseline.label} ({baseline.run['run_id']}); bitwise d hidden by each token's "
         f"grad_bits: {count} of {len(joined)} active tokens differ",
+    )
+
+
+def weight_gradient_tp_invariance(lhs: RunTables, baseline: RunTables, cell: str) -> Verdict | None:
+    """grad=true runs: the cell's d weight bits (by the tokens table's grad_weight_bits, one digest per cell) the
+    same as the baseline's; None where either run did not differentiate at all. Each rank computes its own vocab
+    rows of d weight, so for one layout cell they do not change with tp. A missing or second digest differs."""
+    if any(run.tokens["grad_weight_bits"].isna().all() for run in (lhs, baseline)):
+        return None
+    digests = [run.tokens.loc[run.tokens["cell"] == cell, "grad_weight_bits"] for run in (lhs, baseline)]
+    left, right = (set(digest.fillna("null")) for digest in digests)
+    passed = len(left) == 1 and left == right
+    shown = [", ".join(sorted(value[:16] for value in side)) for side in (left, right)]
+    return Verdict(
+        Judgment.GRADIENT_INVARIANCE,
+        Tensor.GRAD_WEIGHT,
+        *lhs.contract.roles_for(Judgment.GRADIENT_INVARIANCE),
+        cell,
+        cell,
+        metric="mismatched_digests",
+        value=0.0 if passed else 1.0,
+        threshold=0.0,
+        passed=passed,
+        detail=f"{lhs.label} vs {baseline.label} ({baseline.run['run_id']}); bitwise d weight of the cell by its "
+        f"grad_weight_bits: {'equal' if passed else 'differ'} ({shown[0]} vs {shown[1]})",
     )
 
 

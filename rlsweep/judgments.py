@@ -17,8 +17,17 @@ import kernels
 from rlsweep.contract import ROUNDING_MODEL, Contract, Tolerance
 from rlsweep.execute import CellResult
 from rlsweep.mismatch import METRICS, ActiveTokens
-from rlsweep.spec import CHAIN_ROLES, DECODE_CELL, DECODE_PARITY_ROLES, ExpectedRed
-from rlsweep.verdicts import FORWARD_TENSORS, NO_CELL, REPORTED_ONLY, RUN_JUDGMENTS, Judgment, Tensor, Verdict
+from rlsweep.spec import CHAIN_ROLES, DECODE_CELL, DECODE_PARITY_ROLES, ExpectedRed, RunSpec
+from rlsweep.verdicts import (
+    FORWARD_TENSORS,
+    GRADIENT_TENSORS,
+    NO_CELL,
+    REPORTED_ONLY,
+    RUN_JUDGMENTS,
+    Judgment,
+    Tensor,
+    Verdict,
+)
 from rlsweep.workload import Workload
 
 NOT_RUN = "not_run"  # the metric of a row whose judgment provenance prevented
@@ -95,6 +104,11 @@ class Standard:
     dtype: str
     op: str
     bound: Mapping[str, torch.Tensor]
+
+    @classmethod
+    def of(cls, spec: RunSpec, bound: Mapping[str, torch.Tensor]) -> Standard:
+        """What a run of ``spec`` is judged by, with the bounds it computed ({} where nothing ran)."""
+        return cls(spec.contract, spec.profile.execution_dtype, spec.profile.op_class, bound)
 
     def row(self, judgment: str, tensor: str, scope: str | None = None) -> Tolerance:
         return self.contract.tolerance(judgment, tensor, self.dtype, op=self.op, scope=scope)
@@ -220,7 +234,8 @@ def judge_gradients(
     results: Sequence[CellResult], workload: Workload, gold: kernels.GradientBound, standard: Standard
 ) -> list[Verdict]:
     """grad=true: every cell's d hidden against float64 within the model's bound and, bitwise, against the
-    canonical cell's; the canonical cell's d weight against float64 (docs/index.md, "Gradients")."""
+    canonical cell's (docs/index.md, "Gradients"). Each cell's d weight is judged as the cell ends, by
+    ``weight_gradient_accuracy``."""
     if not results:
         return []
     canonical = results[0]
@@ -230,9 +245,6 @@ def judge_gradients(
 
     def token_rows(t: torch.Tensor) -> torch.Tensor:
         return t[rows].reshape(-1)
-
-    def elements(verdict: Verdict) -> Verdict:  # compare_tokens counts what it compares: here, elements
-        return replace(verdict, detail=verdict.detail.replace("active tokens", "elements"))
 
     verdicts = []
     for result in results:
@@ -248,24 +260,33 @@ def judge_gradients(
             (result.cell.name, canonical.cell.name), token_rows(result.grad_hidden), token_rows(canonical.grad_hidden),
             standard.row(Judgment.GRADIENT_INVARIANCE, Tensor.GRAD_HIDDEN), keys,
         )))  # fmt: skip
-    vocab_rows = torch.arange(gold.reference_weight.shape[0]).repeat_interleave(gold.reference_weight.shape[1])
-    weight = elements(
-        compare_tokens(
-            Judgment.GRADIENT_ACCURACY,
-            Tensor.GRAD_WEIGHT,
-            standard.contract.roles_for(Judgment.GRADIENT_ACCURACY),
-            (canonical.cell.name, canonical.cell.name),
-            canonical.grad_weight.double().reshape(-1),
-            gold.reference_weight.reshape(-1),
-            standard.row(Judgment.GRADIENT_ACCURACY, Tensor.GRAD_WEIGHT),
-            (vocab_rows, torch.arange(vocab_rows.numel()) % gold.reference_weight.shape[1]),
-            gold.weight.reshape(-1),
-        )
-    )
-    # The first difference is a (vocab row, column), not a token: say so in the detail, not in the token columns.
-    detail = weight.detail.replace("(sample_id=", "(vocab row=").replace(", position=", ", column=")
-    verdicts.append(replace(weight, detail=detail, first_sample_id=None, first_position=None))
     return verdicts
+
+
+def weight_gradient_accuracy(result: CellResult, gold: kernels.GradientBound, standard: Standard) -> Verdict:
+    """One cell's d weight [V, H] against float64 within the model's bound, element by element.
+
+    Not against the canonical cell's: d weight sums over a call's rows, so each layout groups that sum its own way
+    and the bits differ between cells; across tp the gate compares each cell's bits (``grad_weight_bits``).
+    """
+    vocab, width = gold.reference_weight.shape
+    # Each element's (vocab row, column), in int32: two index arrays [V * H] at half the bytes of int64.
+    rows = torch.arange(vocab, dtype=torch.int32).repeat_interleave(width)
+    columns = torch.arange(width, dtype=torch.int32).repeat(vocab)
+    verdict = elements(compare_tokens(
+        Judgment.GRADIENT_ACCURACY, Tensor.GRAD_WEIGHT, standard.contract.roles_for(Judgment.GRADIENT_ACCURACY),
+        (result.cell.name, result.cell.name), result.grad_weight.double().reshape(-1),
+        gold.reference_weight.reshape(-1), standard.row(Judgment.GRADIENT_ACCURACY, Tensor.GRAD_WEIGHT),
+        (rows, columns), gold.weight.reshape(-1),
+    ))  # fmt: skip
+    # The first difference is a (vocab row, column), not a token: say so in the detail, not in the token columns.
+    detail = verdict.detail.replace("(sample_id=", "(vocab row=").replace(", position=", ", column=")
+    return replace(verdict, detail=detail, first_sample_id=None, first_position=None)
+
+
+def elements(verdict: Verdict) -> Verdict:
+    """compare_tokens counts what it compares: for a gradient, elements rather than tokens."""
+    return replace(verdict, detail=verdict.detail.replace("active tokens", "elements"))
 
 
 def provenance_verdict(
@@ -423,8 +444,7 @@ def planned_verdicts(cells: Sequence[str], contract: Contract, *, grad: bool = F
     planned += [row(Judgment.SMOKE, t, Judgment.FORWARD_ACCURACY, canonical, NO_CELL, m) for t, m in SMOKE_ROWS]
     if grad:
         accuracy = Judgment.GRADIENT_ACCURACY
-        planned += [row(accuracy, Tensor.GRAD_HIDDEN, accuracy, cell, cell) for cell in cells]
-        planned += [row(accuracy, Tensor.GRAD_WEIGHT, accuracy, canonical, canonical)]
+        planned += [row(accuracy, tensor, accuracy, cell, cell) for cell in cells for tensor in GRADIENT_TENSORS]
         invariance = Judgment.GRADIENT_INVARIANCE
         planned += [row(invariance, Tensor.GRAD_HIDDEN, invariance, cell, canonical) for cell in cells[1:]]
     return planned

@@ -40,6 +40,7 @@ def tokens_table(
             used = (grad - gradient.reference_hidden).abs() / gradient.hidden
             columns["grad_used"] += used.nan_to_num(nan=0.0).amax(dim=1).tolist()
             columns["grad_bits"] += [row_bits(row) for row in result.grad_hidden]
+        columns["grad_weight_bits"] += [result.grad_weight_bits] * count
         columns["cell"] += [result.cell.name] * count
         columns["sample_id"] += workload.sample_ids.tolist()
         columns["position"] += workload.positions.tolist()

@@ -30,6 +30,7 @@ from rlsweep.judgments import (
     not_run_verdicts,
     planned_verdicts,
     provenance_verdict,
+    weight_gradient_accuracy,
     weight_pin_verdict,
 )
 from rlsweep.layouts import filler_rows_needed, plan_cells
@@ -156,10 +157,11 @@ def execute(spec: RunSpec, location: RunLocation, identity: RunIdentity, *, stan
         else:
             observed["dispatch"] = op.to_dict()
             computed = compute(spec, op, run, verdicts, observed)
-    standard = Standard(contract, profile.execution_dtype, profile.op_class, computed.bound)
+    standard = Standard.of(spec, computed.bound)
     judged = judge_cells(computed.results, computed.reference, computed.workload, standard)
     if computed.gradient is not None:
         judged += judge_gradients(computed.results, computed.workload, computed.gradient, standard)
+        judged += computed.weight_verdicts
     verdicts += judged
     if computed.stopped:
         planned = planned_verdicts(spec.layout.cell_names, contract, grad=spec.grad)
@@ -205,6 +207,7 @@ class Computed:
     stopped: str = ""
     upstream: torch.Tensor | None = None  # grad=true: the gradient sent back to each token's logp [T]
     gradient: kernels.GradientBound | None = None  # grad=true: float64 gradients and their bounds
+    weight_verdicts: list[Verdict] = field(default_factory=list)  # grad=true: each cell's d weight, judged as it ends
 
 
 def compute(
@@ -226,6 +229,7 @@ def compute(
         workload.hidden, head.weight, workload.targets, logits_dtype=EXECUTION_DTYPES[profile.logits_name]
     )
     computed.bound = {"logp": bound.logp, "lse": bound.lse}
+    standard = Standard.of(spec, computed.bound)
     if spec.grad:
         computed.upstream = workload.upstream()
         g = computed.upstream.to(workload.hidden.device)
@@ -244,8 +248,6 @@ def compute(
             log.info("cell %d/%d %s: %d kernel calls", number, len(cells), cell.name, len(cell.calls))
             try:
                 result = run_cell(cell, workload, head.weight, filler, op, computed.upstream)
-                # d weight [V, H] is judged on the canonical cell only: the others' would hold V x H each.
-                computed.results.append(result if number == 1 else replace(result, grad_weight=None))
             except kernels.BackendUnavailableError as err:
                 computed.stopped = str(err)
                 verdicts.append(provenance_verdict(cell.name, required, [], profile.backend_family, error=str(err)))
@@ -256,6 +258,11 @@ def compute(
                     provenance_verdict(cell.name, required, [err.observed], profile.backend_family, error=str(err))
                 )
                 break
+            if computed.gradient is not None:
+                # Judged now and dropped: a run holds one cell's d weight [V, H] at a time, and keeps its digest.
+                computed.weight_verdicts.append(weight_gradient_accuracy(result, computed.gradient, standard))
+                result = replace(result, grad_weight=None)
+            computed.results.append(result)
     for result in computed.results:
         observed[result.cell.name] = unique_provenance(result)
         verdicts.append(provenance_verdict(result.cell.name, required, result.provenance, profile.backend_family))

@@ -21,7 +21,7 @@ import kernels
 from rlsweep.contract import DETERMINISM_SCOPES, Contract, RowKey, contract_from_mapping, op_class
 from rlsweep.errors import ConfigError
 from rlsweep.synthetic import check_seed
-from rlsweep.verdicts import DECLARABLE, FORWARD_TENSORS, GRADIENT_TENSORS, Judgment, Tensor
+from rlsweep.verdicts import DECLARABLE, FORWARD_TENSORS, GRADIENT_TENSORS, Judgment
 
 # Bounds that only reject typos (real heads: hidden 2**11-2**14, vocab 3e4-3e5, tiles 256-1024); whether a head
 # that passes them fits is the memory estimate's call (rlsweep.execute.peak_bytes).
@@ -332,11 +332,10 @@ class RunSpec:
         roles = [*judgments, Judgment.TP_INVARIANCE, CHAIN_ROLES]
         roles += [DECODE_PARITY_ROLES] if DECODE_CELL in cells[1:] else []
         if self.grad:
-            rows += [(Judgment.GRADIENT_ACCURACY, "", t, dtype, op) for t in GRADIENT_TENSORS]
-            roles += [Judgment.GRADIENT_ACCURACY]
-            if len(cells) > 1:
-                rows += [(Judgment.GRADIENT_INVARIANCE, "", Tensor.GRAD_HIDDEN, dtype, op)]
-                roles += [Judgment.GRADIENT_INVARIANCE]
+            # gradient_invariance: d hidden across cells, and both gradients across tp (the gate, cell by cell).
+            gradient = [Judgment.GRADIENT_ACCURACY, Judgment.GRADIENT_INVARIANCE]
+            rows += [(judgment, "", t, dtype, op) for judgment in gradient for t in GRADIENT_TENSORS]
+            roles += gradient
         return rows, roles, [dtype]
 
     @property

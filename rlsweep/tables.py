@@ -30,7 +30,7 @@ CHECKS_TABLE = "checks"
 RUN_TABLES = (TOKENS_TABLE, CHECKS_TABLE)
 PART_FILE = "part-0.parquet"  # the one file of a run's partition
 PARTITION_KEY = "job"  # a sweep's partitions: job=<Hydra job number>, the number of the job's own dir
-SCHEMA_VERSION = "rlsweep-tables/3"  # in every table's metadata; bumped when a schema changes
+SCHEMA_VERSION = "rlsweep-tables/4"  # in every table's metadata; bumped when a schema changes
 METADATA_KEY = b"rlsweep"
 
 
@@ -96,6 +96,7 @@ TOKENS_SCHEMA = pa.schema(
         ("grad_norm", pa.float64()),  # grad=true: the L2 norm of the token's d hidden (NaN without grad)
         ("grad_used", pa.float64()),  # grad=true: max |d hidden - float64| / bound over the token's row
         ("grad_bits", pa.string()),  # grad=true: sha256 of the row's d hidden bits (16 hex digits); null without
+        ("grad_weight_bits", pa.string()),  # grad=true: sha256 of the cell's d weight bits, on each of its rows
     ]
 )
 CHECKS_SCHEMA = pa.schema(

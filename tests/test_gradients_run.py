@@ -14,26 +14,30 @@ from rlsweep.config import run_spec
 from rlsweep.errors import ConfigError
 
 SMALL = ("profile=triton_cpu_bf16", "layout=smoke", "model.vocab_size=1000")  # few vocab tiles: a quick backward
-GRADIENT_ROWS = {  # (judgment, tensor) -> rows in a layout=smoke run (3 cells)
-    ("gradient_accuracy", "grad_hidden"): 3,
-    ("gradient_accuracy", "grad_weight"): 1,
-    ("gradient_invariance", "grad_hidden"): 2,
-}
+
+
+def gradient_rows(cells: tuple[str, ...]) -> dict[tuple[str, str, str], int]:
+    """(judgment, tensor, lhs cell) -> rows a grad=true run over ``cells`` (canonical first) writes."""
+    rows = {("gradient_accuracy", tensor, cell): 1 for cell in cells for tensor in ("grad_hidden", "grad_weight")}
+    return rows | {("gradient_invariance", "grad_hidden", cell): 1 for cell in cells[1:]}
 
 
 @pytest.mark.xdist_group("grad")
 def test_grad_true_judges_every_cells_gradients_and_summarizes_each_token(tmp_path):
-    outcome = execute_run(compose_run("grad=true", *SMALL), tmp_path)
+    cfg = compose_run("grad=true", *SMALL)
+    outcome = execute_run(cfg, tmp_path)
     rows = [v for v in outcome.verdicts if v.judgment.startswith("gradient")]
     counts = {}
     for v in rows:
-        counts[(v.judgment, v.tensor)] = counts.get((v.judgment, v.tensor), 0) + 1
-    assert counts == GRADIENT_ROWS
+        counts[(v.judgment, v.tensor, v.lhs_cell)] = counts.get((v.judgment, v.tensor, v.lhs_cell), 0) + 1
+    assert counts == gradient_rows(run_spec(cfg).layout.cell_names)
     assert all(v.passed and v.expected_pass for v in rows), [v.detail for v in rows if not v.passed]
     tokens = pd.read_parquet(tmp_path / "tokens")
     active = tokens[tokens.active]
     assert (active.grad_norm > 0).all() and active.grad_used.between(0, 1).all()
     assert (tokens[~tokens.active].grad_norm == 0).all()
+    digests = tokens.groupby("cell", observed=True).grad_weight_bits.agg(["nunique", "count"])
+    assert (digests["nunique"] == 1).all() and (digests["count"] == len(tokens) // len(digests)).all()
 
 
 def test_without_grad_the_gradient_columns_are_empty_and_nothing_is_judged(tmp_path):
@@ -41,6 +45,7 @@ def test_without_grad_the_gradient_columns_are_empty_and_nothing_is_judged(tmp_p
     assert not [v for v in outcome.verdicts if v.judgment.startswith("gradient")]
     tokens = pd.read_parquet(tmp_path / "tokens")
     assert tokens.grad_norm.map(math.isnan).all() and tokens.grad_used.map(math.isnan).all()
+    assert tokens.grad_bits.isna().all() and tokens.grad_weight_bits.isna().all()
 
 
 @pytest.mark.xdist_group("grad")
@@ -58,6 +63,32 @@ def test_a_wrong_backward_is_red(tmp_path, monkeypatch):
     assert red and {(v.judgment, v.tensor) for v in red} == {("gradient_accuracy", "grad_hidden")}
 
 
+@pytest.mark.xdist_group("grad")
+def test_a_wrong_d_weight_in_one_non_canonical_cell_is_red(tmp_path, monkeypatch):
+    """d weight 10 % too large in one cell's calls only: that cell's own gradient_accuracy row must see it."""
+    import rlsweep.run
+
+    cfg = compose_run("grad=true", *SMALL)
+    wrong = run_spec(cfg).layout.cell_names[1]
+    tiled, run_cell = kernels.grad.tiled_gradients, rlsweep.run.run_cell
+
+    def skewed(*args, **kwargs):
+        d_hidden, d_weight = tiled(*args, **kwargs)
+        return d_hidden, d_weight * 1.1
+
+    def run_cell_with_skew(cell, *args, **kwargs):
+        with monkeypatch.context() as patch:
+            if cell.name == wrong:
+                patch.setattr(kernels.grad, "tiled_gradients", skewed)
+            return run_cell(cell, *args, **kwargs)
+
+    monkeypatch.setattr(rlsweep.run, "run_cell", run_cell_with_skew)
+    outcome = execute_run(cfg, tmp_path)
+    red = [v for v in outcome.verdicts if not v.passed]
+    assert [(v.judgment, v.tensor, v.lhs_cell) for v in red] == [("gradient_accuracy", "grad_weight", wrong)]
+    assert "vocab row=" in red[0].detail and red[0].value > 1
+
+
 def test_grad_with_distributed_ranks_is_refused_before_anything_runs():
     with pytest.raises(ConfigError, match="grad=true needs tp_mode=emulated"):
         check_run(compose_run("grad=true", "tp=2", "tp_mode=distributed"))
@@ -71,18 +102,21 @@ def test_upstream_gradient_is_per_token_and_zero_on_prompt_tokens():
 
 
 @pytest.mark.xdist_group("grad")
-def test_the_gate_compares_each_tokens_d_hidden_bits_across_tp(tmp_path):
+def test_the_gate_compares_each_tokens_d_hidden_and_each_cells_d_weight_bits_across_tp(tmp_path):
     from dataclasses import replace
 
     from rlsweep_fixtures import multirun
 
-    from rlsweep.gate import gradient_tp_invariance, load_run, run_gate
+    from rlsweep.gate import gradient_tp_invariance, load_run, run_gate, tp_invariance
 
     done = multirun(tmp_path, "grad=true", *SMALL, "tp=1,2")
     assert done.returncode == 0, done.stdout + done.stderr
     sweep = pd.read_parquet(tmp_path / "sweep_checks.parquet")
     rows = sweep[sweep.judgment == "gradient_invariance"]
-    assert len(rows) == 3 and rows.passed.all() and (rows.tensor == "grad_hidden").all()
+    cells = run_spec(compose_run(*SMALL)).layout.cell_names
+    assert rows.passed.all() and sorted(zip(rows.tensor, rows.lhs_cell, strict=True)) == sorted(
+        (tensor, cell) for tensor in ("grad_hidden", "grad_weight") for cell in cells
+    )
     result = run_gate(tmp_path)
     baseline, other = sorted(result.runs, key=lambda run: run.run["tp"])
     tokens = other.tokens.copy()
@@ -92,3 +126,8 @@ def test_the_gate_compares_each_tokens_d_hidden_bits_across_tp(tmp_path):
     assert not verdict.passed and verdict.value == 1.0
     assert (verdict.first_sample_id, verdict.first_position) == tuple(tokens.loc[flipped, ["sample_id", "position"]])
     assert load_run(other.directory).tokens.grad_bits.notna().all()
+    # One cell's d weight digest differs at tp=2: the gate's tp rows are red for that cell's d weight, and only there.
+    tokens = other.tokens.copy()
+    tokens.loc[tokens.cell == cells[-1], "grad_weight_bits"] = "0" * 64
+    red = [v for v in tp_invariance(replace(other, tokens=tokens), baseline) if not v.passed]
+    assert [(v.judgment, v.tensor, v.lhs_cell) for v in red] == [("gradient_invariance", "grad_weight", cells[-1])]
