@@ -25,9 +25,9 @@ RECORD_BYTES = 768  # per (cell, token): results, then the tokens table as Pytho
 GRAD_RECORD_BYTES = 320  # grad=true, per (cell, token): the tokens table's gradient columns (measured ~300 on CPU)
 INT32_BYTES = 4
 # kernels.gradient_bound's float64 working set besides its outputs, in arrays of [V, H] and of [rows, V]. Measured
-# peaks on CPU, outputs included: 73 bytes per weight element (V = 32768, H = 1024, T = 64) and 110-113 per logit
-# (V = 512 and 4096, H = 64, T = 16000 and 4000).
-GRADIENT_BOUND_ARRAYS = {"weight": 8, "logits": 14}
+# peaks on CPU (commit f036513), outputs included: 73 bytes per weight element in one call and 87 in 4 or 16 calls
+# (V = 32768, H = 1024, T = 64), 140 per logit (V = 512, H = 64, T = 16000).
+GRADIENT_BOUND_ARRAYS = {"weight": 10, "logits": 20}
 RUNTIME_BYTES = 256 << 20  # code and buffers loaded on first use (measured on CPU: 70 MiB aten, 140 MiB Triton)
 MIB, GIB = 1 << 20, 1 << 30
 
@@ -178,10 +178,11 @@ def peak_bytes(spec: RunSpec, shape: WorkloadShape) -> Footprint:
       bounds, 2*(V + T)*H*8; every cell's fp32 d hidden, C*T*H*4; C*T*GRAD_RECORD_BYTES for the tokens table's
       gradient columns. No cell's d weight is held: each is judged when its cell ends and dropped, its digest kept;
     - with grad=true, the phases: ``kernels.gradient_bound`` (float64 arrays [V, H] and [T, V] besides its
-      outputs, GRADIENT_BOUND_ARRAYS); a call's backward (its d weight in the execution dtype and in fp32, the
-      previous call's fp32 copy and the cell's running fp32 sum, 3*4 + e bytes per weight element, and the
-      call's d hidden); judging a cell's d weight (its fp32 sum, a float64 copy, three float64 comparison arrays
-      and two int32 index arrays, all [V, H]).
+      outputs, GRADIENT_BOUND_ARRAYS), counted as a cell of several calls needs it: a bound of its own, with its
+      outputs and the cell's fp32 d weight held beside the run's; a call's backward (its d weight in the execution
+      dtype and in fp32, the previous call's fp32 copy and the cell's running fp32 sum, 3*4 + e bytes per weight
+      element, and the call's d hidden); judging a cell's d weight (the cell's own bound, its fp32 sum, a float64
+      copy, three float64 comparison arrays and two int32 index arrays, all [V, H]).
 
     Not counted: reading a weight or replay file (as stored, then cast; the reference phase is larger unless
     the file is float64 and pads its vocab), copies a CUDA run keeps on the host (the target CDF, the
@@ -216,20 +217,25 @@ def peak_bytes(spec: RunSpec, shape: WorkloadShape) -> Footprint:
     if model.weights.kind == "synthetic":
         phases["weight generation"] = weight + normal_matrix_bytes(min(GENERATION_ROWS, vocab), hidden)
     if spec.grad:
-        resident["float64 gradients and bounds"] = 2 * (weight64 + tokens * hidden * FLOAT64_BYTES)
+        gold = 2 * (weight64 + tokens * hidden * FLOAT64_BYTES)  # float64 d hidden, d weight and their bounds
+        resident["float64 gradients and bounds"] = gold
         resident["every cell's d hidden and gradient columns"] = (
             len(calls) * tokens * (hidden * FLOAT32_BYTES + GRAD_RECORD_BYTES)
         )
         # Its working arrays [rows, V] are for a chunk of rows, up to all T.
-        phases["gradient gold and bounds"] = (
-            GRADIENT_BOUND_ARRAYS["weight"] * weight64
+        phases["a cell's own gradient bound"] = (
+            gold
+            + vocab * hidden * FLOAT32_BYTES
+            + GRADIENT_BOUND_ARRAYS["weight"] * weight64
             + tokens * hidden * FLOAT64_BYTES
             + GRADIENT_BOUND_ARRAYS["logits"] * tokens * vocab * FLOAT64_BYTES
         )
         phases[f"backward of the call of {rows} rows"] = (
             vocab * hidden * (3 * FLOAT32_BYTES + itemsize) + rows * hidden * 2 * FLOAT32_BYTES
         )
-        phases["judging a cell's d weight"] = vocab * hidden * (FLOAT32_BYTES + 4 * FLOAT64_BYTES + 2 * INT32_BYTES)
+        phases["judging a cell's d weight"] = gold + vocab * hidden * (
+            FLOAT32_BYTES + 4 * FLOAT64_BYTES + 2 * INT32_BYTES
+        )
     if synthetic_workload:
         phases["target sampling"] = (
             weight64 + active * hidden * FLOAT64_BYTES + WORKING_ARRAYS * active * vocab * FLOAT64_BYTES

@@ -39,6 +39,11 @@ class Cell:
         """Row count of every call, in call order: what a reader needs to see what differed."""
         return tuple(call.rows for call in self.calls)
 
+    @property
+    def call_tokens(self) -> tuple[torch.Tensor, ...]:
+        """The logical rows each call computes, in call order, pad and filler left out: a partition of the tokens."""
+        return tuple(call.logical[call.logical != NONE] for call in self.calls)
+
 
 def logical_call(rows: list[torch.Tensor]) -> Call:
     """A call made of logical rows (NONE entries are pad rows)."""

@@ -10,6 +10,7 @@ import sys
 import warnings
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -233,10 +234,11 @@ def compute(
     if spec.grad:
         computed.upstream = workload.upstream()
         g = computed.upstream.to(workload.hidden.device)
-        computed.gradient = kernels.gradient_bound(
-            workload.hidden, head.weight, workload.targets, g, torch.zeros_like(g),
+        gradient_bound = partial(
+            kernels.gradient_bound, workload.hidden, head.weight, workload.targets, g, torch.zeros_like(g),
             logits_dtype=EXECUTION_DTYPES[profile.logits_name], lse_bound=bound.lse,
         )  # fmt: skip
+        computed.gradient = gradient_bound()
     # Distributed ranks are spawned once per run and serve every call of every cell.
     ranks = (
         kernels.distributed_ranks(profile.backend_family, spec.sharding, profile.device)
@@ -259,8 +261,10 @@ def compute(
                 )
                 break
             if computed.gradient is not None:
+                # A cell of several calls rounds each call's d weight on its own and sums them: a bound of its own.
+                gold = computed.gradient if len(cell.calls) == 1 else gradient_bound(calls=cell.call_tokens)
                 # Judged now and dropped: a run holds one cell's d weight [V, H] at a time, and keeps its digest.
-                computed.weight_verdicts.append(weight_gradient_accuracy(result, computed.gradient, standard))
+                computed.weight_verdicts.append(weight_gradient_accuracy(result, gold, standard))
                 result = replace(result, grad_weight=None)
             computed.results.append(result)
     for result in computed.results:

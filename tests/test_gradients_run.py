@@ -12,6 +12,7 @@ from rlsweep_fixtures import build_inputs, check_run, compose_run, execute_run
 import kernels.grad
 from rlsweep.config import run_spec
 from rlsweep.errors import ConfigError
+from rlsweep.layouts import plan_cells
 
 SMALL = ("profile=triton_cpu_bf16", "layout=smoke", "model.vocab_size=1000")  # few vocab tiles: a quick backward
 
@@ -23,9 +24,16 @@ def gradient_rows(cells: tuple[str, ...]) -> dict[tuple[str, str, str], int]:
 
 
 @pytest.mark.xdist_group("grad")
-def test_grad_true_judges_every_cells_gradients_and_summarizes_each_token(tmp_path):
+def test_grad_true_judges_every_cells_gradients_and_summarizes_each_token(tmp_path, monkeypatch):
     cfg = compose_run("grad=true", *SMALL)
+    partitions = []  # the calls= of every kernels.gradient_bound the run asks for
+    bound = kernels.gradient_bound
+    monkeypatch.setattr(kernels, "gradient_bound", lambda *a, **k: partitions.append(k.get("calls")) or bound(*a, **k))
     outcome = execute_run(cfg, tmp_path)
+    # The run's bound, then one per cell of several calls: its d weight is rounded call by call.
+    cells = plan_cells(run_spec(cfg).layout, build_inputs(run_spec(cfg))[1])
+    several = [[c.tolist() for c in cell.call_tokens] for cell in cells if len(cell.calls) > 1]
+    assert partitions[0] is None and [[c.tolist() for c in calls] for calls in partitions[1:]] == several != []
     rows = [v for v in outcome.verdicts if v.judgment.startswith("gradient")]
     counts = {}
     for v in rows:
