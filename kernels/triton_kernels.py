@@ -52,18 +52,13 @@ def grouped_tile(pid, grid_m, grid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def ordered_dot(
-    a_ptr, b_ptr, rm, rn, M, N, k_size, stride_am, stride_ak, stride_bn, stride_bk, acc,
-    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+    a_ptr, b_ptr, rm, rn, M, N, depth, stride_am, stride_ak, stride_bn, stride_bk, acc,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
-    """``acc`` + the fp32 block a[rm, :] @ b[rn, :].T, K walked in order in BLOCK_K steps; rows past M and columns
-    past N load as zero. K > 0 is the depth as a compile-time constant (the hidden size: a loop bound every
-    supported Triton reads the same way; triton 3.6's interpreter cannot take a runtime int as a Python range
-    bound); K = 0 takes the runtime ``k_size`` (compiled only: a depth that changes from call to call, such as
-    the rows of a call, would otherwise compile a kernel per value)."""
-    if K > 0:
-        depth = K
-    else:
-        depth = k_size
+    """``acc`` + the fp32 block a[rm, :depth] @ b[rn, :depth].T, K walked in order in BLOCK_K steps; rows past M
+    and columns past N load as zero. ``depth`` is a compile-time constant where the caller has one (the hidden
+    size: triton 3.6's interpreter cannot take a runtime int as a Python range bound), else a runtime int (compiled
+    only: a depth that changes from call to call, such as the rows of a call, would compile a kernel per value)."""
     rk = tl.arange(0, BLOCK_K)
     for k0 in range(0, depth, BLOCK_K):
         kk = k0 + rk
@@ -120,10 +115,16 @@ def invariant_matmul_kernel(
         )
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = ordered_dot(
-        a_ptr, b_ptr, rm, rn, M, N, k_size, stride_am, stride_ak, stride_bn, stride_bk, acc,
-        K, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETED,
-    )  # fmt: skip
+    if K > 0:  # two calls, not one depth variable: the 3.6 interpreter turns a branch's constexpr into a tensor
+        acc = ordered_dot(
+            a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, acc,
+            BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETED,
+        )  # fmt: skip
+    else:
+        acc = ordered_dot(
+            a_ptr, b_ptr, rm, rn, M, N, k_size, stride_am, stride_ak, stride_bn, stride_bk, acc,
+            BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETED,
+        )  # fmt: skip
     store_rounded(c_ptr, acc, rm, rn, M, N, stride_cm, stride_cn)
 
 
@@ -197,7 +198,7 @@ def fused_head_kernel(
     acc = tl.zeros((BLOCK_M, TILE), dtype=tl.float32)
     acc = ordered_dot(
         a_ptr, b_ptr, rm, rn, M, n_real, K, stride_am, stride_ak, stride_bn, stride_bk, acc,
-        K, BLOCK_M, TILE, BLOCK_K, INTERPRETED,
+        BLOCK_M, TILE, BLOCK_K, INTERPRETED,
     )  # fmt: skip
     tile_epilogue(acc, rm, rn, tile, M, n_real, n_tiles, target_ptr, max_ptr, sum_ptr, logit_ptr, TILE)
 
@@ -278,7 +279,7 @@ def gradient_logits_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = ordered_dot(
         a_ptr, b_ptr, rm, rn, M, n_real, K, stride_am, stride_ak, stride_bn, stride_bk, acc,
-        K, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETED,
+        BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETED,
     )  # fmt: skip
     gradient_epilogue(
         acc, rm, rn, M, n_real, lse_ptr, scale_ptr, g_target_ptr, target_ptr, out_ptr, stride_om, ROUND_LOGITS
