@@ -50,6 +50,7 @@ from kernels.errors import (
     TargetOutOfRangeError,
     TPConfigError,
 )
+from kernels.grad import has_tiled_backward
 from kernels.launches import KernelLaunch, launch_torch, launch_triton
 from kernels.lm_head import DEFAULT_VOCAB_TILE, lm_head_logprob, logprob, matmul
 from kernels.provenance import (
@@ -114,6 +115,7 @@ __all__ = [
     "first_bit_difference",
     "get_logprob_op",
     "gradient_bound",
+    "has_tiled_backward",
     "launch_torch",
     "launch_triton",
     "lm_head_logprob",

@@ -42,6 +42,12 @@ class Upstream:
         return cls(g_target, g_lse - g_target)
 
 
+def has_tiled_backward(impl: LogprobBackend) -> bool:
+    """Whether ``impl`` runs kernels autograd cannot see and supplies ``shard_gradients`` for them (the Triton
+    backends); the others are torch operators, which autograd differentiates in the emulated mode only."""
+    return hasattr(impl, "shard_gradients")
+
+
 class TiledLogprobBackward(torch.autograd.Function):
     """Attach a backward to a forward computed without autograd (logp[T], lse[T] given): ``gradients(hidden,
     weight, targets, lse, g_logp, g_lse) -> (d hidden, d weight)``, ``tiled_gradients`` bound to a backend and a

@@ -100,10 +100,10 @@ def sharded_lm_head_logprob(
     check_vocab_tile(impl, sharding.vocab_tile, hidden.device)
     check_target_range(targets, sharding.vocab_size)
     wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    tiled = hasattr(impl, "shard_gradients")  # else a backend of torch ops, which autograd differentiates itself
+    tiled = grad.has_tiled_backward(impl)  # else a backend of torch ops, which autograd differentiates itself
     if tp_mode == "distributed":
         if wants_grad and not tiled:  # the rank processes' torch ops carry no graph: a silent no-gradient
-            differentiable = [name for name, backend in BACKENDS.items() if hasattr(backend, "shard_gradients")]
+            differentiable = [name for name, backend in BACKENDS.items() if grad.has_tiled_backward(backend)]
             raise KernelInputError(
                 f"tp_mode='distributed' computes no gradient with backend {impl.id!r}: its ranks' autograd graphs "
                 f"stay in their processes; differentiate it with tp_mode='emulated' (the same bits), use a backend "

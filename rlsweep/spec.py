@@ -307,14 +307,20 @@ class RunSpec:
     def __post_init__(self) -> None:
         choice("tp_mode", self.tp_mode, kernels.TP_MODES)
         check_seed(self.seed, "seed")
-        if self.grad and self.tp_mode == "distributed":
-            raise ConfigError("grad=true needs tp_mode=emulated: distributed ranks compute no gradient")
         if self.profile.backend_family not in kernels.BACKENDS or self.profile.backend_family == "reference":
             families = sorted(set(kernels.BACKENDS) - {"reference"})
             raise ConfigError(
                 f"profile {self.profile.name!r}: backend_family={self.profile.backend_family!r} is not one of "
                 f"{families}"
                 + ("" if self.profile.backend_module else " (a backend of your own: see profile.backend_module)")
+            )
+        backend = kernels.BACKENDS[self.profile.backend_family]
+        if self.grad and self.tp_mode == "distributed" and not kernels.has_tiled_backward(backend):
+            tiled = [name for name, impl in kernels.BACKENDS.items() if kernels.has_tiled_backward(impl)]
+            raise ConfigError(
+                f"grad=true with tp_mode=distributed: profile {self.profile.name!r} runs backend "
+                f"{self.profile.backend_family!r}, whose ranks' autograd graphs stay in their processes; use "
+                f"tp_mode=emulated, or a profile whose backend has a tiled backward ({', '.join(tiled)})"
             )
         self.contract.require(*self.contract_needs())
 
