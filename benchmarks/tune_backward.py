@@ -7,29 +7,15 @@ chunk of GRADIENT_CHUNK_COLUMNS columns, and the cuBLAS time of the same product
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
+from bench_logprob import Bench  # this folder: run as python benchmarks/tune_backward.py
 
 from kernels import triton_backend as tb
 from kernels.triton_backend import MatmulTiling
 
 T, H, C = 16384, 4096, tb.GRADIENT_CHUNK_COLUMNS
-
-
-def time_ms(fn, repeats: int) -> float:
-    fn()
-    fn()
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
 
 
 def main() -> int:
@@ -39,7 +25,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 1
-    km, _ = tb._load_kernels(torch.device("cuda"))
+    bench = Bench(args.repeats)
+    km, _ = tb.load_kernels(torch.device("cuda"))
     gen = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
     w = (torch.randn(C, H, device="cuda", generator=gen) * 0.06).bfloat16()
@@ -52,9 +39,9 @@ def main() -> int:
     g = torch.randn(T, device="cuda")
     target = torch.randint(-1, C, (T,), device="cuda")
     rows = []
-    rows.append(("cuBLAS logits chunk", "", time_ms(lambda: hidden @ w.T, args.repeats)))
-    rows.append(("cuBLAS d hidden chunk", "", time_ms(lambda: d_logits @ w, args.repeats)))
-    rows.append(("cuBLAS d weight chunk", "", time_ms(lambda: d_logits.T @ hidden, args.repeats)))
+    rows.append(("cuBLAS logits chunk", "", bench.time_ms(lambda: hidden @ w.T)))
+    rows.append(("cuBLAS d hidden chunk", "", bench.time_ms(lambda: d_logits @ w)))
+    rows.append(("cuBLAS d weight chunk", "", bench.time_ms(lambda: d_logits.T @ hidden)))
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     for tiling in [MatmulTiling(128, 256, 64, 8, 8, 3), MatmulTiling(128, 128, 64, 8, 8, 4),
@@ -72,7 +59,7 @@ def main() -> int:
             )  # fmt: skip
 
         try:
-            rows.append(("d logits (tma)", tiling, time_ms(logits, args.repeats)))
+            rows.append(("d logits (tma)", tiling, bench.time_ms(logits)))
         except Exception as err:
             rows.append(("d logits (tma)", tiling, f"{type(err).__name__}"))
     candidates = [MatmulTiling(128, 256, 64, 8, 8, 3), MatmulTiling(128, 256, 64, 8, 8, 4)]
@@ -83,7 +70,7 @@ def main() -> int:
 
         name = "d hidden += (tma, one program per tile)"
         try:
-            rows.append((name, tiling, time_ms(dh, args.repeats)))
+            rows.append((name, tiling, bench.time_ms(dh)))
         except Exception as err:
             rows.append((name, tiling, f"{type(err).__name__}"))
     for tiling in [MatmulTiling(128, 256, 64, 8, 8, 3), MatmulTiling(128, 128, 64, 8, 8, 4),
@@ -97,7 +84,7 @@ def main() -> int:
 
         for name, fn in (("d weight, A by K (tma)", dw), ("d weight, A transposed in memory (tma)", dw_t)):
             try:
-                rows.append((name, tiling, time_ms(fn, args.repeats)))
+                rows.append((name, tiling, bench.time_ms(fn)))
             except Exception as err:
                 rows.append((name, tiling, f"{type(err).__name__}"))
     print(f"T={T} H={H} chunk={C} device={torch.cuda.get_device_name()}")

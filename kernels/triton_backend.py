@@ -71,7 +71,7 @@ GLOBAL_TILES = LogprobBackendCapability(
 )
 
 
-def _load_kernels(device: torch.device) -> tuple[ModuleType, bool]:
+def load_kernels(device: torch.device) -> tuple[ModuleType, bool]:
     """Import the Triton kernels, or say why they cannot run on ``device``."""
     try:
         kernels_module = importlib.import_module(TRITON_KERNELS)
@@ -119,7 +119,7 @@ class TritonBackend:
         self, hidden: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype
     ) -> tuple[torch.Tensor, NodeProvenance]:
         """hidden @ weight.T in one fixed tiling, fp32 accumulation, rounded once to ``out_dtype``."""
-        kernels_module, interpreted = _load_kernels(hidden.device)
+        kernels_module, interpreted = load_kernels(hidden.device)
         tiling = INTERPRETER_TILING if interpreted else CUDA_TILING[hidden.dtype]
         rows, cols = hidden.shape[0], weight.shape[0]
         logits = aligned_empty(rows, cols, out_dtype, hidden.device)
@@ -148,7 +148,7 @@ class TritonBackend:
         in the inputs' dtype (``gradient_logits_kernel``), then d hidden += d logits @ w and d weight = d logits.T
         @ hidden. d hidden's K steps never straddle a vocab tile, and a shard starts on one, so its sum has the
         same steps at every tp; chunks are whole tiles, so their size changes nothing either."""
-        kernels_module, interpreted = _load_kernels(hidden.device)
+        kernels_module, interpreted = load_kernels(hidden.device)
         rows, depth = hidden.shape
         columns = weight.shape[0]
         tiling = INTERPRETER_TILING if interpreted else CUDA_TILING[hidden.dtype]
@@ -198,7 +198,7 @@ class TritonBackend:
 
     def max_vocab_tile(self, device: torch.device) -> int:
         """The widest vocab tile the tile-partials kernel can hold on ``device``: its block is rows x tile."""
-        _, interpreted = _load_kernels(device)
+        _, interpreted = load_kernels(device)
         from triton.language import TRITON_MAX_TENSOR_NUMEL  # 2**20 elements, compiled and interpreted alike
 
         return TRITON_MAX_TENSOR_NUMEL // partial_rows(interpreted)
@@ -206,7 +206,7 @@ class TritonBackend:
     def shard_partials(
         self, logits: torch.Tensor, local_targets: torch.Tensor, owned: torch.Tensor, sharding: ShardingSpec
     ) -> tuple[ShardPartials, NodeProvenance]:
-        kernels_module, interpreted = _load_kernels(logits.device)
+        kernels_module, interpreted = load_kernels(logits.device)
         logits = aligned_rows(logits)
         rows, n_real = logits.shape
         lo, hi = sharding.shard
@@ -228,7 +228,7 @@ class TritonBackend:
         maxes = torch.cat([p.maxes for p in partials], dim=1) if len(partials) > 1 else partials[0].maxes
         sums = torch.cat([p.sumexps for p in partials], dim=1) if len(partials) > 1 else partials[0].sumexps
         maxes, sums = maxes.contiguous(), sums.contiguous()
-        kernels_module, interpreted = _load_kernels(maxes.device)
+        kernels_module, interpreted = load_kernels(maxes.device)
         rows, n_tiles = maxes.shape
         lse = torch.empty((rows,), dtype=torch.float32, device=maxes.device)
         grid = (triton_cdiv(rows, MERGE_ROWS),)
@@ -264,7 +264,7 @@ class TritonFusedBackend(TritonBackend):
         return torch.float32
 
     def max_vocab_tile(self, device: torch.device) -> int:
-        _, interpreted = _load_kernels(device)
+        _, interpreted = load_kernels(device)
         fused = INTERPRETER_BLOCK_NUMEL // INTERPRETER_FUSED_ROWS if interpreted else FUSED_MAX_TILE
         return min(fused, super().max_vocab_tile(device))
 
@@ -277,7 +277,7 @@ class TritonFusedBackend(TritonBackend):
         sharding: ShardingSpec,
     ) -> tuple[ShardPartials, NodeProvenance]:
         """hidden[T, H] and this rank's real weight rows -> its per-tile partials and owned target logits."""
-        kernels_module, interpreted = _load_kernels(hidden.device)
+        kernels_module, interpreted = load_kernels(hidden.device)
         tile = sharding.vocab_tile
         lo, hi = sharding.shard
         n_tiles = (hi - lo) // tile

@@ -83,6 +83,21 @@ def ordered_dot(
 
 
 @triton.jit
+def first_sum(c_ptr, rm, rn, M, N, stride_cm, stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              ACCUMULATE: tl.constexpr):  # fmt: skip
+    """Where a block's fp32 sum starts: c[rm, rn] itself (ACCUMULATE: the sum continues a previous call's), or 0."""
+    if ACCUMULATE:
+        acc = tl.load(
+            c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
+            mask=(rm[:, None] < M) & (rn[None, :] < N),
+            other=0.0,
+        )
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
 def store_rounded(c_ptr, acc, rm, rn, M, N, stride_cm, stride_cn):
     """Store the fp32 block ``acc`` at c[rm, rn] in c's dtype: bf16 rounded to nearest even, fp32 as it is."""
     if c_ptr.dtype.element_ty == tl.bfloat16:
@@ -107,14 +122,7 @@ def invariant_matmul_kernel(
     # int64 offsets: T * V exceeds 2**31 at real sizes (16384 x 151936).
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    if ACCUMULATE:
-        acc = tl.load(
-            c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
-            mask=(rm[:, None] < M) & (rn[None, :] < N),
-            other=0.0,
-        )
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = first_sum(c_ptr, rm, rn, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N, ACCUMULATE)
     if K > 0:  # two calls, not one depth variable: the 3.6 interpreter turns a branch's constexpr into a tensor
         acc = ordered_dot(
             a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, acc,
@@ -344,14 +352,7 @@ def tma_matmul_tile(
     pid_m, pid_n = grouped_tile(pid, grid_m, grid_n, GROUP_M)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    if ACCUMULATE:
-        acc = tl.load(
-            c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
-            mask=(rm[:, None] < M) & (rn[None, :] < N),
-            other=0.0,
-        )
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = first_sum(c_ptr, rm, rn, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N, ACCUMULATE)
     for k0 in range(0, k_size, BLOCK_K):
         if A_BY_K:
             a = a_desc.load([k0, pid_m * BLOCK_M]).T
