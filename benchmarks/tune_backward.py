@@ -49,7 +49,7 @@ def main() -> int:
 
         def logits(t=tiling):
             tiles = tb.triton_cdiv(T, t.block_m) * tb.triton_cdiv(C, t.block_n)
-            programs = min(tiles, 2 * tb.multiprocessors(hidden.device))
+            programs = tb.persistent_programs(tiles, hidden.device)
             km.gradient_logits_tma_kernel[(programs,)](
                 TensorDescriptor.from_tensor(hidden, [t.block_m, t.block_k]),
                 TensorDescriptor.from_tensor(w, [t.block_n, t.block_k]),

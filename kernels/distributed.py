@@ -247,14 +247,14 @@ def rank_backward(
     d_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     if rank > 0:
         dist.recv(d_hidden, src=rank - 1)  # ranks 0..rank-1's sum: this rank continues it
-    d_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    lo, hi = sharding.real_shard
+    d_weight_rows = torch.empty((hi - lo, weight.shape[1]), dtype=weight.dtype, device=weight.device)
     upstream = Upstream.of(targets, g_logp, g_lse)
-    rank_gradients(impl, hidden, weight, targets, lse, upstream, sharding, d_hidden, d_weight)
+    rank_gradients(impl, hidden, weight, targets, lse, upstream, sharding, d_hidden, d_weight_rows)
     if rank < world - 1:
         dist.send(d_hidden, dst=rank + 1)
     dist.broadcast(d_hidden, src=world - 1)  # the finished sum, replicated like the forward's result
-    lo, hi = sharding.real_shard
-    return (d_hidden.to(hidden.dtype).cpu() if rank == 0 else None), d_weight[lo:hi].cpu()
+    return (d_hidden.to(hidden.dtype).cpu() if rank == 0 else None), d_weight_rows.cpu()
 
 
 def on(device: torch.device, tensor: torch.Tensor | None) -> torch.Tensor | None:

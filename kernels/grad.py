@@ -93,7 +93,9 @@ def tiled_gradients(
     d_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     d_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
     for rank in range(sharding.world_size):
-        rank_gradients(impl, hidden, weight, targets, lse, upstream, sharding.for_rank(rank), d_hidden, d_weight)
+        view = sharding.for_rank(rank)
+        lo, hi = view.real_shard
+        rank_gradients(impl, hidden, weight, targets, lse, upstream, view, d_hidden, d_weight[lo:hi])
     return d_hidden.to(hidden.dtype), d_weight
 
 
@@ -106,10 +108,11 @@ def rank_gradients(
     upstream: Upstream,
     sharding: ShardingSpec,
     d_hidden: torch.Tensor,
-    d_weight: torch.Tensor,
+    d_weight_rows: torch.Tensor,
 ) -> None:
-    """One rank's part: its real shard's rows of ``d_weight`` [V, H], and its products added to the fp32
-    ``d_hidden`` [T, H], which must hold the sum of every earlier rank's (an all-padding shard adds nothing)."""
+    """One rank's part: d weight of its real shard's rows, written to ``d_weight_rows`` [real shard, H], and its
+    products added to the fp32 ``d_hidden`` [T, H], which must hold the sum of every earlier rank's (an
+    all-padding shard adds nothing)."""
     lo, hi = sharding.real_shard
     if hi <= lo:
         return
@@ -117,5 +120,5 @@ def rank_gradients(
     local = torch.where(owned, local, -1)
     impl.shard_gradients(
         hidden.detach(), weight.detach()[lo:hi], local, lse, upstream.scale, upstream.g_target,
-        d_hidden, d_weight[lo:hi], sharding,
+        d_hidden, d_weight_rows, sharding,
     )  # fmt: skip

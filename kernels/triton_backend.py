@@ -169,7 +169,7 @@ class TritonBackend:
                 from triton.tools.tensor_descriptor import TensorDescriptor
 
                 tiles = triton_cdiv(rows, tiling.block_m) * triton_cdiv(stop - start, tiling.block_n)
-                programs = min(tiles, FUSED_PROGRAMS_PER_SM * multiprocessors(hidden.device))
+                programs = persistent_programs(tiles, hidden.device)
                 launch_triton(
                     kernels_module.gradient_logits_tma_kernel, (programs,),
                     TensorDescriptor.from_tensor(hidden, [tiling.block_m, tiling.block_k]),
@@ -299,7 +299,7 @@ class TritonFusedBackend(TritonBackend):
         if tma:
             from triton.tools.tensor_descriptor import TensorDescriptor
 
-            persistent = min(programs, FUSED_PROGRAMS_PER_SM * multiprocessors(hidden.device))
+            persistent = persistent_programs(programs, hidden.device)
             launch_triton(
                 kernels_module.fused_head_tma_kernel, (persistent,),
                 TensorDescriptor.from_tensor(hidden, [block_m, block_k]),
@@ -349,7 +349,7 @@ def tma_matmul(kernels_module, a, b, c, tiling, block_k, *, a_by_k, b_by_k, accu
     b_block = [block_k, tiling.block_n] if b_by_k else [tiling.block_n, block_k]
     tiles = triton_cdiv(rows, tiling.block_m) * triton_cdiv(cols, tiling.block_n)
     persistent = c.element_size() < 4
-    programs = min(tiles, FUSED_PROGRAMS_PER_SM * multiprocessors(c.device)) if persistent else 0
+    programs = persistent_programs(tiles, c.device) if persistent else 0
     launch_triton(
         kernels_module.tma_matmul_kernel, (programs or tiles,),
         TensorDescriptor.from_tensor(a, a_block), TensorDescriptor.from_tensor(b, b_block),
@@ -378,6 +378,12 @@ def tma_ready(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
         and all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (hidden, weight))
         and all(t.data_ptr() % 16 == 0 for t in (hidden, weight))
     )
+
+
+def persistent_programs(tiles: int, device: torch.device) -> int:
+    """How many persistent programs walk ``tiles`` output blocks: FUSED_PROGRAMS_PER_SM per multiprocessor, at
+    most one per block. Only which program takes a block depends on it, never a block's arithmetic."""
+    return min(tiles, FUSED_PROGRAMS_PER_SM * multiprocessors(device))
 
 
 @functools.cache
