@@ -1,6 +1,6 @@
 """The lm_head logprob on one GPU, through the public calls a user makes, beside cuBLAS, aten and Liger-Kernel.
 
-Usage: python benchmarks/bench_logprob.py [--tokens 64 16384] [--repeats 20] [--tune] [--out DIR]
+Usage: python benchmarks/bench_logprob.py [--tokens 64 16384] [--repeats 20] [--tune [matmul fused logprob]] [--out DIR]
 
 For each token count T (V = 151936, H = 4096, bf16 inputs, logits of std 4): the bandwidth floor of reading
 the [T, V] bf16 logits, ``kernels.logprob`` on materialized logits, ``kernels.matmul`` against cuBLAS, and
@@ -8,9 +8,9 @@ the [T, V] bf16 logits, ``kernels.logprob`` on materialized logits, ``kernels.ma
 forward; each with its median time over ``--repeats`` calls (L2 flushed before every call), its peak memory
 beyond the inputs, its max |logp - float64| on 64 rows, and whether 7 rows alone give the bits they have inside
 the T-row call. Then forward + backward of triton_fused and of Liger: time, peak memory with the gradients it
-makes, max |d hidden - float64| on 64 rows, 7 rows bitwise. ``--tune`` times candidate tilings first
-(docs/benchmarks.md says how the shipped ones were chosen). Prints Markdown tables; writes bench_logprob.json
-to --out. Needs CUDA.
+makes, max |d hidden - float64| on 64 rows, 7 rows bitwise. ``--tune`` times candidate tilings first, of the kinds
+named or all (docs/benchmarks.md says how the shipped ones were chosen). Prints Markdown tables; writes
+bench_logprob.json to --out. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -207,8 +207,12 @@ def forward_backward(bench: Bench, hidden, weight, targets, fused_tile: int, cub
     return rows
 
 
-def tune(bench: Bench, out: list[dict]) -> None:
-    """Candidate tilings at both ends of T: the numbers the shipped choices in kernels/triton_backend.py rest on."""
+TUNABLE = ("matmul", "fused", "logprob")
+
+
+def tune(bench: Bench, kinds: list[str], out: list[dict]) -> None:
+    """Candidate tilings of ``kinds`` at both ends of T: the numbers the shipped choices in kernels/triton_backend.py
+    rest on."""
     matmul_candidates = [
         MatmulTiling(128, 128, 64, 8, 8, 3),
         MatmulTiling(128, 256, 64, 8, 8, 3),
@@ -223,7 +227,10 @@ def tune(bench: Bench, out: list[dict]) -> None:
         (MatmulTiling(128, 0, 64, 8, 4, 4), 128, True, 2),
         (MatmulTiling(128, 0, 64, 8, 8, 3), 256, True, 2),
     ]
-    partial_candidates = [(4, 8, 4), (8, 4, 4), (8, 8, 8), (16, 2, 8), (16, 4, 8), (32, 1, 8), (32, 2, 16)]
+    partial_candidates = [(1, 8, 1), (1, 16, 1), (2, 8, 1), (2, 8, 2), (4, 8, 1), (4, 8, 4), (8, 8, 4), (8, 8, 8)]
+    matmul_candidates = matmul_candidates if "matmul" in kinds else []
+    fused_candidates = fused_candidates if "fused" in kinds else []
+    partial_candidates = partial_candidates if "logprob" in kinds else []
     knobs = ("PARTIAL_ROWS", "PARTIAL_TILES", "PARTIAL_WARPS", "FUSED_TMA", "FUSED_PROGRAMS_PER_SM")
     saved = (dict(triton_backend.CUDA_TILING), dict(triton_backend.FUSED_TILING))
     saved_knobs = {knob: getattr(triton_backend, knob) for knob in knobs}
@@ -254,7 +261,7 @@ def tune_at(bench: Bench, tokens: int, matmul_candidates, fused_candidates, part
         config = f"{tiling} tile={tile} tma={tma} per_sm={per_sm}"
         out.append({"T": tokens, "kind": "fused", "config": config, "ms": ms, "x_cublas": cublas_ms / ms,
                     "bitwise": bitwise})  # fmt: skip
-    logits = hidden @ weight.T
+    logits = hidden @ weight.T if partial_candidates else None
     for rows, tiles, warps in partial_candidates:
         triton_backend.PARTIAL_ROWS, triton_backend.PARTIAL_TILES, triton_backend.PARTIAL_WARPS = rows, tiles, warps
         ms = bench.time_ms(lambda: kernels.logprob(logits, targets, backend="triton", vocab_tile=1024))
@@ -287,7 +294,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--vocab-tile", type=int, default=1024, help="the unfused triton profile's tile")
     parser.add_argument("--fused-tile", type=int, default=256, help="the fused profile's tile")
-    parser.add_argument("--tune", action="store_true")
+    parser.add_argument("--tune", nargs="*", choices=TUNABLE, help="time candidate tilings first (none named: all)")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -295,9 +302,9 @@ def main() -> int:
         return 1
     bench = Bench(args.repeats)
     tuning: list[dict] = []
-    if args.tune:
+    if args.tune is not None:
         print(host_profile())
-        tune(bench, tuning)
+        tune(bench, args.tune or list(TUNABLE), tuning)
         print("| T | kind | config | ms | x cuBLAS | bitwise |\n|---:|---|---|---:|---:|---|")
         for r in tuning:
             print(f"| {r['T']} | {r['kind']} | {r['config']} | {r['ms']:.3f} | {r.get('x_cublas', float('nan')):.2f} "

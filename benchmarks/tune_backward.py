@@ -1,7 +1,8 @@
-"""Time the backward's three kernels on one vocab chunk at T=16384 (H200), for candidate tilings.
+"""Time the backward's three kernels on one vocab chunk (H200), for candidate tilings.
 
-Usage: python benchmarks/tune_backward.py [--repeats 10]. Prints one Markdown row per (kernel, tiling): ms per
-chunk of GRADIENT_CHUNK_COLUMNS columns, and the cuBLAS time of the same product for scale. Needs CUDA.
+Usage: python benchmarks/tune_backward.py [--repeats 10] [--tokens 16384]. Prints one Markdown row per (kernel,
+tiling): ms per chunk of GRADIENT_CHUNK_COLUMNS columns, and the cuBLAS time of the same product for scale. Needs
+CUDA.
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ from bench_logprob import Bench  # this folder: run as python benchmarks/tune_ba
 from kernels import triton_backend as tb
 from kernels.triton_backend import MatmulTiling
 
-T, H, C = 16384, 4096, tb.GRADIENT_CHUNK_COLUMNS
+H, C = 4096, tb.GRADIENT_CHUNK_COLUMNS
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--tokens", type=int, default=16384)
     args = parser.parse_args()
+    T = args.tokens
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 1
@@ -83,10 +86,14 @@ def main() -> int:
             tb.tma_matmul(km, d_logits_t, hidden, d_weight, t, t.block_k, a_by_k=False, b_by_k=True, accumulate=False)
 
         for name, fn in (("d weight, A by K (tma)", dw), ("d weight, A transposed in memory (tma)", dw_t)):
-            try:
-                rows.append((name, tiling, bench.time_ms(fn)))
-            except Exception as err:
-                rows.append((name, tiling, f"{type(err).__name__}"))
+            for by_tma in (True, False):
+                tb.STORE_BY_TMA = by_tma
+                label = f"{name}, stored by {'TMA' if by_tma else 'masked stores'}"
+                try:
+                    rows.append((label, tiling, bench.time_ms(fn)))
+                except Exception as err:
+                    rows.append((label, tiling, f"{type(err).__name__}"))
+            tb.STORE_BY_TMA = True
     print(f"T={T} H={H} chunk={C} device={torch.cuda.get_device_name()}")
     print("| kernel | tiling (M, N, K, group, warps, stages) | ms per chunk |\n|---|---|---:|")
     for name, tiling, ms in rows:

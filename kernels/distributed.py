@@ -277,7 +277,7 @@ def all_gather_partials(mine: RankOutput) -> list[RankOutput]:
     fields = (partials.maxes, partials.sumexps, partials.target_logit, partials.owned.to(torch.uint8))
     gathered = []
     for tensor in fields:
-        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        parts = [torch.empty_like(tensor, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, tensor.contiguous())
         gathered.append(parts)
     # Each rank's own records, so the merged provenance carries the kernels every rank launched.

@@ -10,7 +10,7 @@ from types import ModuleType
 
 import torch
 
-from kernels.backend import ShardPartials, gather_target_logit, register_backend
+from kernels.backend import ShardPartials, register_backend
 from kernels.capability import ImplementationKind, LogprobBackendCapability
 from kernels.contract import EXECUTION_DTYPE_NAMES, DeterminismScope, MergeOrder
 from kernels.errors import BackendUnavailableError
@@ -48,16 +48,20 @@ FUSED_TILING = {
     torch.float32: MatmulTiling(64, 0, 32, 8, 8, 3),
 }
 FUSED_TMA = True  # use fused_head_tma_kernel where the GPU and the operands allow it (tma_ready)
+STORE_BY_TMA = True  # the TMA matmul writes a bf16 output through a descriptor (tma_matmul)
 FUSED_PROGRAMS_PER_SM = 2  # persistent programs of the TMA kernel per multiprocessor (H200: 2 beat 1)
 FUSED_MAX_TILE = 256  # compiled: a 128 x 256 fp32 accumulator is what one program's registers hold
 INTERPRETER_FUSED_ROWS = 64
 INTERPRETER_BLOCK_NUMEL = 1 << 20  # the interpreter's broadcast product is rows x K step x tile
-PARTIAL_ROWS = 4  # rows per program of the tile-partials kernel (compiled)
-PARTIAL_WARPS = 4  # warps per program of the tile-partials kernel (compiled)
-PARTIAL_TILES = 8  # tiles per program of the tile-partials kernel: fewer, longer programs; no effect on the bits
+# The tile-partials kernel, compiled (H200: one row per one-warp program reduces without crossing warps; 1.75 ms
+# against 2.16 for 4 rows on 4 warps at T = 16384, docs/benchmarks.md).
+PARTIAL_ROWS = 1  # rows per program
+PARTIAL_WARPS = 1  # warps per program
+PARTIAL_TILES = 16  # tiles per program: fewer, longer programs; no effect on the bits
 GRADIENT_CHUNK_COLUMNS = 4096  # vocab columns whose d logits [T, chunk] the backward holds at once
 INTERPRETER_PARTIAL_ROWS = 64  # the interpreter pays per program, not per row
 MERGE_ROWS = 128  # rows per program of the ordered merge
+TARGET_ROWS = 128  # rows per program of the target-logit copy
 TRITON_KERNELS = "kernels.triton_kernels"  # imported on first use: TRITON_INTERPRET is read at decoration
 
 
@@ -99,7 +103,7 @@ def load_kernels(device: torch.device) -> tuple[ModuleType, bool]:
     "triton",
     kernels={
         "matmul": {f"{TRITON_KERNELS}.invariant_matmul_kernel", f"{TRITON_KERNELS}.tma_matmul_kernel"},
-        "logprob": {f"{TRITON_KERNELS}.tile_partials_kernel"},
+        "logprob": {f"{TRITON_KERNELS}.tile_partials_kernel", f"{TRITON_KERNELS}.target_logit_kernel"},
         "tp_merge": {f"{TRITON_KERNELS}.ordered_merge_kernel"},
     },
     capability=GLOBAL_TILES,
@@ -211,28 +215,35 @@ class TritonBackend:
         rows, n_real = logits.shape
         lo, hi = sharding.shard
         n_tiles = (hi - lo) // sharding.vocab_tile
-        maxes = torch.empty((rows, n_tiles), dtype=torch.float32, device=logits.device)
-        sums = torch.empty_like(maxes)
+        # [T, n_tiles] views of tile-major storage: the merge reads one tile of consecutive rows at a time.
+        maxes = torch.empty((n_tiles, rows), dtype=torch.float32, device=logits.device).T
+        sums = torch.empty((n_tiles, rows), dtype=torch.float32, device=logits.device).T
         rows_per_program = partial_rows(interpreted)
         tiles = max(1, min(PARTIAL_TILES, n_tiles))
         launch_triton(
             kernels_module.tile_partials_kernel, (triton_cdiv(rows, rows_per_program), triton_cdiv(n_tiles, tiles)),
-            logits, maxes, sums, rows, n_real, logits.stride(0), n_tiles,
+            logits, maxes, sums, rows, n_real, logits.stride(0), n_tiles, *maxes.stride(),
             ROWS=rows_per_program, TILE=sharding.vocab_tile, TILES=tiles, num_warps=PARTIAL_WARPS,
         )  # fmt: skip
-        target = gather_target_logit(logits, local_targets, owned).float()
+        target = torch.empty((rows,), dtype=torch.float32, device=logits.device)
+        launch_triton(
+            kernels_module.target_logit_kernel, (triton_cdiv(rows, TARGET_ROWS),),
+            logits, local_targets, owned, target, rows, n_real, logits.stride(0), BLOCK=TARGET_ROWS,
+        )  # fmt: skip
         return ShardPartials(maxes, sums, target, owned), observe("logprob", self.id, sums, interpreted=interpreted)
 
     def merge(self, partials: Sequence[ShardPartials]) -> tuple[torch.Tensor, NodeProvenance]:
         # Ranks hold contiguous shards in rank order, so concatenation is global tile order (one rank: no copy).
         maxes = torch.cat([p.maxes for p in partials], dim=1) if len(partials) > 1 else partials[0].maxes
         sums = torch.cat([p.sumexps for p in partials], dim=1) if len(partials) > 1 else partials[0].sumexps
-        maxes, sums = maxes.contiguous(), sums.contiguous()
+        if maxes.stride() != sums.stride():
+            maxes, sums = maxes.contiguous(), sums.contiguous()
         kernels_module, interpreted = load_kernels(maxes.device)
         rows, n_tiles = maxes.shape
         lse = torch.empty((rows,), dtype=torch.float32, device=maxes.device)
         grid = (triton_cdiv(rows, MERGE_ROWS),)
-        launch_triton(kernels_module.ordered_merge_kernel, grid, maxes, sums, lse, rows, n_tiles, BLOCK=MERGE_ROWS)
+        launch_triton(kernels_module.ordered_merge_kernel, grid, maxes, sums, lse, rows, *maxes.stride(), n_tiles,
+                      BLOCK=MERGE_ROWS)  # fmt: skip
         return lse, observe("tp_merge", self.id, lse, tiles=n_tiles, interpreted=interpreted)
 
 
@@ -245,7 +256,7 @@ class TritonBackend:
         },
         "logprob": {
             f"{TRITON_KERNELS}.{name}"
-            for name in ("fused_head_kernel", "fused_head_tma_kernel", "tile_partials_kernel")
+            for name in ("fused_head_kernel", "fused_head_tma_kernel", "tile_partials_kernel", "target_logit_kernel")
         },
         "tp_merge": {f"{TRITON_KERNELS}.ordered_merge_kernel"},
     },
@@ -350,12 +361,15 @@ def tma_matmul(kernels_module, a, b, c, tiling, block_k, *, a_by_k, b_by_k, accu
     tiles = triton_cdiv(rows, tiling.block_m) * triton_cdiv(cols, tiling.block_n)
     persistent = c.element_size() < 4
     programs = persistent_programs(tiles, c.device) if persistent else 0
+    # A bf16 output leaves by TMA: masked stores against a runtime width cannot be vectorized (0.75x cuBLAS).
+    store_by_tma = STORE_BY_TMA and c.dtype == torch.bfloat16 and not accumulate and tma_aligned(c)
+    c_desc = TensorDescriptor.from_tensor(c, [tiling.block_m, tiling.block_n]) if store_by_tma else None
     launch_triton(
         kernels_module.tma_matmul_kernel, (programs or tiles,),
         TensorDescriptor.from_tensor(a, a_block), TensorDescriptor.from_tensor(b, b_block),
-        c, rows, cols, depth, c.stride(0), c.stride(1),
+        c, c_desc, rows, cols, depth, c.stride(0), c.stride(1),
         BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_K=block_k, GROUP_M=tiling.group_m,
-        PROGRAMS=programs, A_BY_K=a_by_k, B_BY_K=b_by_k, ACCUMULATE=accumulate,
+        PROGRAMS=programs, A_BY_K=a_by_k, B_BY_K=b_by_k, ACCUMULATE=accumulate, STORE_BY_TMA=store_by_tma,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )  # fmt: skip
 
@@ -375,8 +389,15 @@ def tma_ready(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
         FUSED_TMA
         and torch.cuda.get_device_capability(hidden.device)[0] >= 9
         and weight.shape[0] > 0
-        and all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (hidden, weight))
-        and all(t.data_ptr() % 16 == 0 for t in (hidden, weight))
+        and tma_aligned(hidden)
+        and tma_aligned(weight)
+    )
+
+
+def tma_aligned(tensor: torch.Tensor) -> bool:
+    """A 2-d tensor a TMA descriptor can address: row-major, 16-byte aligned base and row stride."""
+    return (
+        tensor.stride(1) == 1 and (tensor.stride(0) * tensor.element_size()) % 16 == 0 and tensor.data_ptr() % 16 == 0
     )
 
 

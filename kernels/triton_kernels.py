@@ -30,6 +30,19 @@ def round_to_bf16(x):
     return tl.where(is_nan, BF16_NAN_BITS, rounded).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def tile_max_sumexp(x):
+    """x [rows, columns] fp32, padding -inf -> per row (max, sum exp(x - max)); an all -inf row is the identity
+    (-inf, 0). exp is the hardware's exp2 of (x - max) * log2 e: one instruction where libdevice's expf takes
+    about a dozen, and the argument's rounding is relative to x - max, so the terms that matter keep ~2 ulp."""
+    m = tl.max(x, axis=1)
+    shift = tl.where(m == float("-inf"), 0.0, m)  # exp(-inf - 0) = 0, not NaN
+    return m, tl.sum(tl.math.exp2((x - shift[:, None]) * LOG2E), axis=1)
+
+
 @triton.jit
 def widen_to_fp32(x):
     """bf16 or fp32 -> fp32 exactly: a bf16 is the upper half of its fp32 (the interpreter's cast loses subnormals)."""
@@ -138,51 +151,102 @@ def invariant_matmul_kernel(
 
 @triton.jit(do_not_specialize=["T", "n_real", "n_tiles"])
 def tile_partials_kernel(
-    logits_ptr, max_ptr, sum_ptr, T, n_real, stride_t, n_tiles,
+    logits_ptr, max_ptr, sum_ptr, T, n_real, stride_t, n_tiles, stride_out_row, stride_out_tile,
     ROWS: tl.constexpr, TILE: tl.constexpr, TILES: tl.constexpr,
 ):  # fmt: skip
     """Per (row, tile): fp32 max and sum(exp(x - max)) over TILE columns; padding is -inf.
 
     Each program takes ROWS rows and TILES consecutive tiles, one tile at a time: how many it takes changes
     the number of programs, never a tile's arithmetic. A NaN or infinite logit makes its tile's sum NaN, so the
-    caller sees a non-finite lse without a second pass over the logits to look for one.
+    caller sees a non-finite lse without a second pass over the logits to look for one. The partials of (row,
+    tile) go to ``row * stride_out_row + tile * stride_out_tile``.
+
+    A tile wholly inside the real columns is loaded without a mask, so its loads stay as wide as the alignment
+    allows; only a shard's last, partly real tile takes the masked path. Which path a tile takes depends on its
+    global position only (shards start on tile boundaries), never on the call's rows.
     """
     pid_r = tl.program_id(0)
-    rows = (pid_r * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    rows = pid_r * ROWS + tl.arange(0, ROWS)
+    # Rows past T read row T - 1 and store nothing, so no row mask narrows the loads either.
+    source = tl.minimum(rows, T - 1).to(tl.int64)
+    out_rows = rows.to(tl.int64) * stride_out_row
     for step in range(TILES):
         tile = tl.program_id(1) * TILES + step
         cols = tile * TILE + tl.arange(0, TILE)
-        real = (rows[:, None] < T) & (cols[None, :] < n_real)
-        x = tl.load(logits_ptr + rows[:, None] * stride_t + cols[None, :], mask=real, other=float("-inf"))
-        x = widen_to_fp32(x)
-        m = tl.max(x, axis=1)
-        # An all-padding tile is the identity (-inf, 0): shift by 0 so exp(-inf) = 0, not NaN.
-        shift = tl.where(m == float("-inf"), 0.0, m)
-        s = tl.sum(tl.exp(x - shift[:, None]), axis=1)
-        # NaN and +inf already make s NaN (x - shift); a -inf logit would vanish in exp, so it is looked for.
-        lowest = tl.min(tl.where(real, x, 0.0), axis=1)
+        at = logits_ptr + source[:, None] * stride_t + cols[None, :]
+        if (tile + 1) * TILE <= n_real:
+            x = widen_to_fp32(tl.load(at))
+            lowest = tl.min(x, axis=1)
+        else:
+            real = cols[None, :] < n_real
+            x = widen_to_fp32(tl.load(at, mask=real, other=float("-inf")))
+            lowest = tl.min(tl.where(real, x, 0.0), axis=1)
+        m, s = tile_max_sumexp(x)
+        # NaN and +inf already make s NaN (x - shift); a real -inf logit would vanish in exp, so it is looked for.
         s = tl.where(lowest == float("-inf"), float("nan"), s)
-        out = rows * n_tiles + tile
-        live = rows < tl.where(tile < n_tiles, T, 0)  # the last program's steps past n_tiles store nothing
-        tl.store(max_ptr + out, m, mask=live)
-        tl.store(sum_ptr + out, s, mask=live)
+        out = out_rows + tile * stride_out_tile
+        keep = rows < tl.where(tile < n_tiles, T, 0)  # the last program's steps past n_tiles store nothing
+        tl.store(max_ptr + out, m, mask=keep)
+        tl.store(sum_ptr + out, s, mask=keep)
+
+
+@triton.jit(do_not_specialize=["T", "n_real"])
+def target_logit_kernel(logits_ptr, target_ptr, owned_ptr, out_ptr, T, n_real, stride_t, BLOCK: tl.constexpr):
+    """out[t] = logits[t, target[t]] widened to fp32 where the shard owns the row's target, else 0: a copy, no
+    arithmetic. One load per row (torch's gather splits itself in four once T * V passes 2**31)."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = rows < T
+    target = tl.load(target_ptr + rows, mask=live, other=0)
+    mine = live & (tl.load(owned_ptr + rows, mask=live, other=0) != 0) & (target >= 0) & (target < n_real)
+    x = tl.load(logits_ptr + rows.to(tl.int64) * stride_t + target, mask=mine, other=0.0)
+    tl.store(out_ptr + rows, widen_to_fp32(x), mask=live)
+
+
+@triton.jit
+def merge_step(run_max, run_sum, m, s):
+    """The running (max, sumexp) of the tiles so far, with the next tile's (m, s) merged in on its right."""
+    lo = tl.minimum(run_max, m)
+    hi = tl.maximum(run_max, m)
+    scale = tl.where(lo == float("-inf"), 0.0, tl.exp(lo - hi))
+    return hi, tl.where(m > run_max, run_sum * scale + s, run_sum + s * scale)
+
+
+@triton.jit
+def load_partials(max_ptr, sum_ptr, at, live):
+    return tl.load(max_ptr + at, mask=live, other=float("-inf")), tl.load(sum_ptr + at, mask=live, other=0.0)
 
 
 @triton.jit(do_not_specialize=["T"])
-def ordered_merge_kernel(max_ptr, sum_ptr, lse_ptr, T, n_tiles: tl.constexpr, BLOCK: tl.constexpr):
-    """lse[T] from per-tile partials [T, n_tiles], merged strictly left to right."""
+def ordered_merge_kernel(max_ptr, sum_ptr, lse_ptr, T, stride_row, stride_tile, n_tiles: tl.constexpr,
+                         BLOCK: tl.constexpr):  # fmt: skip
+    """lse[T] from per-tile partials (row, tile) at ``row * stride_row + tile * stride_tile``, merged strictly
+    left to right. Eight tiles' loads are issued before their merges, which still run one tile at a time: the
+    loads' latency is paid once per eight tiles instead of once per tile."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = rows < T
+    base = rows.to(tl.int64) * stride_row
     run_max = tl.full((BLOCK,), float("-inf"), tl.float32)
     run_sum = tl.zeros((BLOCK,), tl.float32)
-    for t in range(0, n_tiles):
-        m = tl.load(max_ptr + rows * n_tiles + t, mask=live, other=float("-inf"))
-        s = tl.load(sum_ptr + rows * n_tiles + t, mask=live, other=0.0)
-        lo = tl.minimum(run_max, m)
-        hi = tl.maximum(run_max, m)
-        scale = tl.where(lo == float("-inf"), 0.0, tl.exp(lo - hi))
-        run_sum = tl.where(m > run_max, run_sum * scale + s, run_sum + s * scale)
-        run_max = hi
+    for t in range(0, n_tiles - n_tiles % 8, 8):
+        m0, s0 = load_partials(max_ptr, sum_ptr, base + t * stride_tile, live)
+        m1, s1 = load_partials(max_ptr, sum_ptr, base + (t + 1) * stride_tile, live)
+        m2, s2 = load_partials(max_ptr, sum_ptr, base + (t + 2) * stride_tile, live)
+        m3, s3 = load_partials(max_ptr, sum_ptr, base + (t + 3) * stride_tile, live)
+        m4, s4 = load_partials(max_ptr, sum_ptr, base + (t + 4) * stride_tile, live)
+        m5, s5 = load_partials(max_ptr, sum_ptr, base + (t + 5) * stride_tile, live)
+        m6, s6 = load_partials(max_ptr, sum_ptr, base + (t + 6) * stride_tile, live)
+        m7, s7 = load_partials(max_ptr, sum_ptr, base + (t + 7) * stride_tile, live)
+        run_max, run_sum = merge_step(run_max, run_sum, m0, s0)
+        run_max, run_sum = merge_step(run_max, run_sum, m1, s1)
+        run_max, run_sum = merge_step(run_max, run_sum, m2, s2)
+        run_max, run_sum = merge_step(run_max, run_sum, m3, s3)
+        run_max, run_sum = merge_step(run_max, run_sum, m4, s4)
+        run_max, run_sum = merge_step(run_max, run_sum, m5, s5)
+        run_max, run_sum = merge_step(run_max, run_sum, m6, s6)
+        run_max, run_sum = merge_step(run_max, run_sum, m7, s7)
+    for t in range(n_tiles - n_tiles % 8, n_tiles):
+        m, s = load_partials(max_ptr, sum_ptr, base + t * stride_tile, live)
+        run_max, run_sum = merge_step(run_max, run_sum, m, s)
     tl.store(lse_ptr + rows, run_max + tl.log(run_sum), mask=live)
 
 
@@ -216,9 +280,7 @@ def tile_epilogue(acc, rm, rn, tile, M, n_real, n_tiles, target_ptr, max_ptr, su
     """One fused block's fp32 logits -> its rows' (max, sumexp) of the tile and, where a row's shard-local target
     falls in the tile, that logit (a copy, no arithmetic). Columns past ``n_real`` are padding (-inf)."""
     x = tl.where(rn[None, :] < n_real, acc, float("-inf"))
-    m = tl.max(x, axis=1)
-    shift = tl.where(m == float("-inf"), 0.0, m)  # an all-padding tile is the identity (-inf, 0)
-    s = tl.sum(tl.exp(x - shift[:, None]), axis=1)
+    m, s = tile_max_sumexp(x)
     live = rm < M
     tl.store(max_ptr + rm * n_tiles + tile, m, mask=live)
     tl.store(sum_ptr + rm * n_tiles + tile, s, mask=live)
@@ -319,34 +381,36 @@ def gradient_logits_tma_kernel(
 
 @triton.jit(do_not_specialize=["M", "N", "k_size"])
 def tma_matmul_kernel(
-    a_desc, b_desc, c_ptr, M, N, k_size, stride_cm, stride_cn,
+    a_desc, b_desc, c_ptr, c_desc, M, N, k_size, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PROGRAMS: tl.constexpr, A_BY_K: tl.constexpr, B_BY_K: tl.constexpr, ACCUMULATE: tl.constexpr,
+    STORE_BY_TMA: tl.constexpr,
 ):  # fmt: skip
     """``invariant_matmul_kernel`` with TMA operands: c[M, N] (+)= A @ B, where A is a_desc's [M, K] (A_BY_K: its
-    [K, M], transposed on load) and B is b_desc's [N, K] (B_BY_K: its [K, N]). One fixed tiling, K walked in order
-    from ``acc`` = c (ACCUMULATE, c fp32) or zero; past the edges loads zero. PROGRAMS > 0: that many persistent
-    programs walk the tiles in launch order; 0: one program per tile (the pipeline's buffers are then free for
-    the epilogue). Which program takes a tile never changes the tile's arithmetic."""
+        [K, M], transposed on load) and B is b_desc's [N, K] (B_BY_K: its [K, N]). One fixed tiling, K walked in order
+        from ``acc`` = c (ACCUMULATE, c fp32) or zero; past the edges loads zero. PROGRAMS > 0: that many persistent
+        programs walk the tiles in launch order; 0: one program per tile (the pipeline's buffers are then free for
+        the epilogue). STORE_BY_TMA: the bf16 block goes out through ``c_desc`` (the hardware clips it at the edges),
+    not as masked stores. Which program takes a tile never changes the tile's arithmetic."""
     grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     if PROGRAMS > 0:
         for pid in tl.range(tl.program_id(0), grid_m * grid_n, PROGRAMS, flatten=True):
             tma_matmul_tile(
-                a_desc, b_desc, c_ptr, pid, grid_m, grid_n, M, N, k_size, stride_cm, stride_cn,
-                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, A_BY_K, B_BY_K, ACCUMULATE,
+                a_desc, b_desc, c_ptr, c_desc, pid, grid_m, grid_n, M, N, k_size, stride_cm, stride_cn,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, A_BY_K, B_BY_K, ACCUMULATE, STORE_BY_TMA,
             )  # fmt: skip
     else:
         tma_matmul_tile(
-            a_desc, b_desc, c_ptr, tl.program_id(0), grid_m, grid_n, M, N, k_size, stride_cm, stride_cn,
-            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, A_BY_K, B_BY_K, ACCUMULATE,
+            a_desc, b_desc, c_ptr, c_desc, tl.program_id(0), grid_m, grid_n, M, N, k_size, stride_cm, stride_cn,
+            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, A_BY_K, B_BY_K, ACCUMULATE, STORE_BY_TMA,
         )  # fmt: skip
 
 
 @triton.jit
 def tma_matmul_tile(
-    a_desc, b_desc, c_ptr, pid, grid_m, grid_n, M, N, k_size, stride_cm, stride_cn,
+    a_desc, b_desc, c_ptr, c_desc, pid, grid_m, grid_n, M, N, k_size, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    A_BY_K: tl.constexpr, B_BY_K: tl.constexpr, ACCUMULATE: tl.constexpr,
+    A_BY_K: tl.constexpr, B_BY_K: tl.constexpr, ACCUMULATE: tl.constexpr, STORE_BY_TMA: tl.constexpr,
 ):  # fmt: skip
     """One output block of ``tma_matmul_kernel``."""
     pid_m, pid_n = grouped_tile(pid, grid_m, grid_n, GROUP_M)
@@ -363,4 +427,7 @@ def tma_matmul_tile(
         else:
             b = b_desc.load([pid_n * BLOCK_N, k0]).T
         acc = tl.dot(a, b, acc, input_precision="ieee")
-    store_rounded(c_ptr, acc, rm, rn, M, N, stride_cm, stride_cn)
+    if STORE_BY_TMA:
+        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], round_to_bf16(acc))
+    else:
+        store_rounded(c_ptr, acc, rm, rn, M, N, stride_cm, stride_cn)
