@@ -17,11 +17,12 @@ from kernels import grad
 from kernels.backend import BACKENDS, LogprobBackend, get_backend
 from kernels.contract import TP_MODES
 from kernels.distributed import distributed_gradients, run_distributed
-from kernels.errors import KernelInputError, NonFiniteOutputError, ShapeMismatchError
+from kernels.errors import KernelInputError, ShapeMismatchError
 from kernels.provenance import NodeProvenance, call_node
 from kernels.ranks import LogprobResult, check_vocab_tile, finish, rank_forward, rank_logprob, require_finite
 from kernels.sharding import ShardingSpec
 from kernels.validation import (
+    ValueChecks,
     check_finite,
     check_lm_head_inputs,
     check_logits_inputs,
@@ -35,8 +36,11 @@ DEFAULT_VOCAB_TILE = 1024
 def matmul(hidden: torch.Tensor, weight: torch.Tensor, *, backend: str) -> tuple[torch.Tensor, NodeProvenance]:
     """hidden[T, H] @ weight[V, H].T -> logits[T, V] in the execution dtype (float64 for reference)."""
     impl = get_backend(backend)
-    check_matmul_inputs(hidden, weight)
-    return call_node(impl.matmul, hidden, weight)
+    checks = ValueChecks()
+    check_matmul_inputs(hidden, weight, checks)
+    out = call_node(impl.matmul, hidden, weight)
+    checks.raise_first()
+    return out
 
 
 def logprob(
@@ -45,19 +49,21 @@ def logprob(
     """logits[T, V] + targets[T] -> fp32 logp[T] and lse[T] (TP=1)."""
     impl = get_backend(backend)
     in_kernel = getattr(impl, "checks_finite_logits", False)  # the kernel poisons its result instead of a scan
-    check_logits_inputs(logits, targets, values=not in_kernel)
+    checks = ValueChecks()
+    check_logits_inputs(logits, targets, checks, values=not in_kernel)
     vocab = logits.shape[1]
-    check_target_range(targets, vocab)
     sharding = ShardingSpec.even(vocab, vocab_tile, 1)
     check_vocab_tile(impl, vocab_tile, logits.device)
+    # The partials are launched first: a rank owns only targets inside its shard, so an out-of-range one is never
+    # read there; the range check and its safe targets are queued while the kernel runs, before ``finish`` uses them.
     ranks = [rank_logprob(impl, logits, targets, sharding, matmul_provenance=None)]
-    result = finish(impl, targets, sharding, ranks, tp_mode="emulated")
-    try:
-        return require_finite(result, logits.dtype)
-    except NonFiniteOutputError:
-        if in_kernel:
-            check_finite("logits", logits)  # a non-finite input is named as one, as the up-front scan would
-        raise
+    safe_targets = check_target_range(targets, vocab, checks)
+    result = finish(impl, safe_targets, sharding, ranks, tp_mode="emulated")
+    # A non-finite input is named as one, as the up-front scan would, before an overflow is considered.
+    name_input = functools.partial(check_finite, "logits", logits) if in_kernel else None
+    require_finite(result, logits.dtype, checks, first=name_input)
+    checks.raise_first()
+    return result
 
 
 def lm_head_logprob(
@@ -92,13 +98,14 @@ def sharded_lm_head_logprob(
         raise KernelInputError(f"tp_mode must be one of {TP_MODES}, got {tp_mode!r}")
     if not isinstance(sharding, ShardingSpec):
         raise KernelInputError(f"sharding must be a ShardingSpec, got {sharding!r}")
-    check_lm_head_inputs(hidden, weight, targets)
+    checks = ValueChecks()
+    check_lm_head_inputs(hidden, weight, targets, checks)
     if weight.shape[0] != sharding.vocab_size:
         raise ShapeMismatchError(
             f"weight has {weight.shape[0]} vocab rows but the sharding splits a vocab of {sharding.vocab_size}"
         )
     check_vocab_tile(impl, sharding.vocab_tile, hidden.device)
-    check_target_range(targets, sharding.vocab_size)
+    targets = check_target_range(targets, sharding.vocab_size, checks)
     wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     tiled = grad.has_tiled_backward(impl)  # else a backend of torch ops, which autograd differentiates itself
     if tp_mode == "distributed":
@@ -109,6 +116,7 @@ def sharded_lm_head_logprob(
                 f"stay in their processes; differentiate it with tp_mode='emulated' (the same bits), use a backend "
                 f"with a tiled backward ({', '.join(differentiable)}), or call under torch.no_grad()"
             )
+        checks.raise_first()  # the rank processes get checked inputs only
         with torch.no_grad():
             result = run_distributed(backend, hidden, weight, targets, sharding)
         gradients = functools.partial(distributed_gradients, backend, sharding=sharding)
@@ -121,7 +129,9 @@ def sharded_lm_head_logprob(
     if wants_grad and tiled:
         logp, lse = grad.TiledLogprobBackward.apply(hidden, weight, result.logp, result.lse, targets, gradients)
         result = replace(result, logp=logp, lse=lse)
-    return require_finite(result, hidden.dtype)  # in the caller's process: typed in both tp modes
+    require_finite(result, hidden.dtype, checks)  # in the caller's process: typed in both tp modes
+    checks.raise_first()
+    return result
 
 
 def emulated(

@@ -7,6 +7,8 @@ processes (``tp_mode="distributed"``); this module imports neither (docs/kernels
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -15,7 +17,7 @@ from kernels.backend import LogprobBackend, ShardPartials
 from kernels.errors import NonFiniteOutputError, TPConfigError
 from kernels.provenance import NodeProvenance, Provenance, across_ranks, call_node
 from kernels.sharding import ShardingSpec
-from kernels.validation import IGNORE_INDEX, dtype_name
+from kernels.validation import IGNORE_INDEX, ValueChecks, dtype_name, nonfinite_screen
 
 
 @dataclass(frozen=True)
@@ -54,11 +56,22 @@ def check_vocab_tile(impl: LogprobBackend, vocab_tile: int, device: torch.device
         )
 
 
-def require_finite(result: LogprobResult, execution_dtype: torch.dtype) -> LogprobResult:
-    """``result`` unless a row's lse or logp is NaN or ±Inf, which finite inputs give only by overflow.
+def require_finite(
+    result: LogprobResult, execution_dtype: torch.dtype, checks: ValueChecks, *, first: Callable[[], None] | None = None
+) -> None:
+    """Queue in ``checks`` the check that no row's lse or logp is NaN or ±Inf, which finite inputs give only by
+    overflow. ``first`` runs before that verdict is explained (a backend that leaves non-finite logits to its
+    kernel names a non-finite input there). Every input is checked finite too, so any non-finite output is an
+    overflow; [T] is cheap to scan."""
+    explain = functools.partial(explain_nonfinite_row, result, execution_dtype, first)
+    checks.add(nonfinite_screen(result.lse + result.logp), explain)
 
-    Every input was checked finite at the boundary, so any non-finite output is an overflow; [T] is cheap to scan.
-    """
+
+def explain_nonfinite_row(
+    result: LogprobResult, execution_dtype: torch.dtype, first: Callable[[], None] | None
+) -> None:
+    if first is not None:
+        first()
     bad = ~torch.isfinite(result.lse) | ~torch.isfinite(result.logp)
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
@@ -69,7 +82,6 @@ def require_finite(result: LogprobResult, execution_dtype: torch.dtype) -> Logpr
             f"(largest finite {torch.finfo(execution_dtype).max:.4g}); scale hidden or weight down",
             row=row,
         )
-    return result
 
 
 def rank_forward(

@@ -1,8 +1,15 @@
-"""Input checks at the kernels' boundary: every check runs before any kernel is launched."""
+"""Input checks at the kernels' boundary.
+
+Shapes, dtypes and devices are checked before anything is launched. Checks of values (finiteness, the targets'
+range) need the values, which on a GPU means waiting for the device; each call queues them in a ``ValueChecks``
+and reads every verdict at once, after its kernels are queued and before it returns (docs/kernels.md#errors).
+"""
 
 from __future__ import annotations
 
+import functools
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -22,8 +29,33 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def check_matmul_inputs(hidden: torch.Tensor, weight: torch.Tensor) -> None:
-    """Shapes, dtypes, device and finiteness of hidden[T, H] and weight[V, H]."""
+class ValueChecks:
+    """Checks of input and output values queued on the device, read in one device-to-host copy.
+
+    ``add(failed, explain)`` queues a 0-dim bool tensor that is true when something may be wrong and the function
+    that looks closer: it raises the typed error naming the value, or returns when the screen was a false alarm
+    (a sum of finite values can overflow). ``raise_first()`` waits for the device once and runs the explanation of
+    the first failed check, in the order they were added, so a call raises what up-front checks would have raised.
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[torch.Tensor, Callable[[], None]]] = []
+
+    def add(self, failed: torch.Tensor, explain: Callable[[], None]) -> None:
+        self._pending.append((failed, explain))
+
+    def raise_first(self) -> None:
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        verdicts = torch.stack([failed for failed, _ in pending]).tolist()  # the call's one wait for the device
+        for failed, (_, explain) in zip(verdicts, pending, strict=True):
+            if failed:
+                explain()
+
+
+def check_matmul_inputs(hidden: torch.Tensor, weight: torch.Tensor, checks: ValueChecks) -> None:
+    """Shapes, dtypes and device of hidden[T, H] and weight[V, H]; their finiteness queued in ``checks``."""
     if hidden.dim() != 2:
         raise ShapeMismatchError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
     if weight.dim() != 2:
@@ -37,28 +69,32 @@ def check_matmul_inputs(hidden: torch.Tensor, weight: torch.Tensor) -> None:
         raise DtypeMismatchError(f"hidden is {hidden.dtype} but weight is {weight.dtype}")
     if hidden.device != weight.device:
         raise ShapeMismatchError(f"inputs on different devices: hidden {hidden.device}, weight {weight.device}")
-    check_finite("hidden", hidden)
+    check_finite("hidden", hidden, checks)
     check_finite_once("weight", weight)
 
 
-def check_lm_head_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> None:
+def check_lm_head_inputs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, checks: ValueChecks
+) -> None:
     """``check_matmul_inputs`` plus targets[T] on the same device."""
-    check_matmul_inputs(hidden, weight)
+    check_matmul_inputs(hidden, weight, checks)
     check_targets(targets, rows=hidden.shape[0])
     if targets.device != hidden.device:
         raise ShapeMismatchError(f"inputs on different devices: hidden {hidden.device}, targets {targets.device}")
 
 
-def check_logits_inputs(logits: torch.Tensor, targets: torch.Tensor, *, values: bool = True) -> None:
-    """logits[T, V] with targets[T]; ``values``: also scan the logits for NaN and ±Inf (a backend whose kernel
-    detects them itself skips this second pass over T*V values)."""
+def check_logits_inputs(logits: torch.Tensor, targets: torch.Tensor, checks: ValueChecks, *, values: bool) -> None:
+    """logits[T, V] with targets[T] on the same device; ``values``: also queue a scan of the logits for NaN and
+    ±Inf (a backend whose kernel detects them itself skips this second pass over T*V values)."""
     if logits.dim() != 2:
         raise ShapeMismatchError(f"logits must be [T, V], got shape {tuple(logits.shape)}")
     if logits.dtype not in (*EXECUTION_DTYPES, torch.float64):
         raise DtypeMismatchError(f"logits have dtype {logits.dtype}; supported: bfloat16, float32, float64")
     check_targets(targets, rows=logits.shape[0])
+    if targets.device != logits.device:
+        raise ShapeMismatchError(f"inputs on different devices: logits {logits.device}, targets {targets.device}")
     if values:
-        check_finite("logits", logits)
+        check_finite("logits", logits, checks)
 
 
 def check_targets(targets: torch.Tensor, *, rows: int) -> None:
@@ -68,29 +104,45 @@ def check_targets(targets: torch.Tensor, *, rows: int) -> None:
         raise DtypeMismatchError(f"targets have dtype {targets.dtype}; supported: int64, int32")
 
 
-def check_target_range(targets: torch.Tensor, vocab_size: int) -> None:
-    """Every target is in [0, vocab_size) or equal to IGNORE_INDEX."""
+def check_target_range(targets: torch.Tensor, vocab_size: int, checks: ValueChecks) -> torch.Tensor:
+    """Queue the check that every target is in [0, vocab_size) or equal to IGNORE_INDEX.
+
+    Returns the targets with any other value replaced by IGNORE_INDEX: the kernels launched before the verdict is
+    read then never index with it, and the call raises ``TargetOutOfRangeError`` before returning anything."""
     bad = ((targets < 0) | (targets >= vocab_size)) & (targets != IGNORE_INDEX)
-    if bool(bad.any()):
-        position = int(bad.nonzero()[0, 0])
-        value = int(targets[position])
-        raise TargetOutOfRangeError(
-            f"target id {value} at row {position} is outside [0, {vocab_size}) and is not ignore_index={IGNORE_INDEX}",
-            position=position,
-            value=value,
-        )
+    checks.add(bad.any(), functools.partial(explain_target_range, targets, bad, vocab_size))
+    return torch.where(bad, IGNORE_INDEX, targets)
 
 
-def check_finite(name: str, tensor: torch.Tensor) -> None:
-    """NonFiniteInputError naming the first NaN or ±Inf of ``tensor``.
+def explain_target_range(targets: torch.Tensor, bad: torch.Tensor, vocab_size: int) -> None:
+    position = int(bad.nonzero()[0, 0])
+    value = int(targets[position])
+    raise TargetOutOfRangeError(
+        f"target id {value} at row {position} is outside [0, {vocab_size}) and is not ignore_index={IGNORE_INDEX}",
+        position=position,
+        value=value,
+    )
 
-    A sum accumulated in fp32 (float64 for float64) screens first: any NaN or ±Inf makes it non-finite, and it
-    reads the tensor once without a temporary (``torch.isfinite`` of a bf16 [T, H] allocates 2.5x its size).
-    Only a non-finite sum, which finite values can also give by overflow, is looked at element by element.
-    """
-    screen = tensor.sum(dtype=torch.float64 if tensor.dtype == torch.float64 else torch.float32)
-    if bool(torch.isfinite(screen)):
-        return
+
+def nonfinite_screen(tensor: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool tensor, true when ``tensor`` may hold a NaN or ±Inf: its sum, accumulated in fp32 (float64 for
+    float64), is not finite. It reads the tensor once without a temporary (``torch.isfinite`` of a bf16 [T, H]
+    allocates 2.5x its size); finite values can also give a non-finite sum, by overflow, so a true screen is only a
+    reason to look closer."""
+    return ~torch.isfinite(tensor.sum(dtype=torch.float64 if tensor.dtype == torch.float64 else torch.float32))
+
+
+def check_finite(name: str, tensor: torch.Tensor, checks: ValueChecks | None = None) -> None:
+    """NonFiniteInputError naming the first NaN or ±Inf of ``tensor``: at once, or queued in ``checks``."""
+    explain = functools.partial(explain_nonfinite, name, tensor)
+    if checks is not None:
+        checks.add(nonfinite_screen(tensor), explain)
+    elif bool(nonfinite_screen(tensor)):
+        explain()
+
+
+def explain_nonfinite(name: str, tensor: torch.Tensor) -> None:
+    """Look at ``tensor`` element by element after a failed screen; raise for a NaN or ±Inf, return if none."""
     finite = torch.isfinite(tensor)
     if not bool(finite.all()):
         index = tuple(int(i) for i in (~finite).nonzero()[0])
@@ -104,7 +156,8 @@ _FINITE: dict[int, tuple] = {}
 
 
 def check_finite_once(name: str, tensor: torch.Tensor) -> None:
-    """``check_finite``, skipped for a tensor already found finite and not modified since."""
+    """``check_finite``, skipped for a tensor already found finite and not modified since. The first sight of a
+    tensor is checked at once (it is remembered only once found finite); later calls queue nothing."""
     key = id(tensor)
     stamp = (tensor._version, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device)
     if _FINITE.get(key) == stamp:

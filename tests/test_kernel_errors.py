@@ -1,4 +1,5 @@
-"""Bad inputs raise typed errors that name the offending value, before any work is done."""
+"""Bad inputs raise typed errors that name the offending value, and no result is returned: shapes and dtypes
+before any work is done, values (queued beside the kernels) before the call returns."""
 
 from __future__ import annotations
 
@@ -25,6 +26,31 @@ def test_target_outside_vocab_names_first_bad_index(bad):
     with pytest.raises(kernels.TargetOutOfRangeError, match=rf"target id {bad} at row 2 is outside \[0, 100\)") as err:
         kernels.lm_head_logprob(hidden, weight, targets, backend="aten")
     assert (err.value.position, err.value.value) == (2, bad)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", ["triton", "triton_fused", "aten", "reference"])
+@pytest.mark.parametrize("call", ["lm_head_logprob", "logprob"])
+def test_target_outside_vocab_is_refused_by_every_backend_and_call(backend, call):
+    hidden, weight, targets = good_inputs(vocab=300)
+    targets[1], targets[3] = 300, -7  # the first bad row is named, whatever the kernels did with it meanwhile
+    if call == "logprob":
+        run = lambda: kernels.logprob(hidden @ weight.T, targets, backend=backend, vocab_tile=64)  # noqa: E731
+    else:
+        run = lambda: kernels.lm_head_logprob(hidden, weight, targets, backend=backend, vocab_tile=64)  # noqa: E731
+    with pytest.raises(kernels.TargetOutOfRangeError, match=r"target id 300 at row 1 is outside \[0, 300\)"):
+        run()
+
+
+def test_the_first_failed_check_is_the_one_raised():
+    """Value checks run queued; the error is still the one an up-front check in call order would raise."""
+    hidden, weight, targets = good_inputs()
+    hidden[2, 5] = float("nan")
+    targets[0] = 100
+    with pytest.raises(kernels.NonFiniteInputError, match=r"hidden holds a non-finite value nan at index \(2, 5\)"):
+        kernels.lm_head_logprob(hidden, weight, targets, backend="aten")
+    with pytest.raises(kernels.NonFiniteInputError, match=r"hidden holds"):
+        kernels.matmul(hidden, weight, backend="aten")
 
 
 @pytest.mark.parametrize("name", ["hidden", "weight"])
@@ -103,7 +129,7 @@ def test_vocab_tile_wider_than_a_triton_block_is_refused_before_any_launch(monke
     partials = torch.empty(hidden.shape[0], 1)
     with pytest.raises(Exception, match=rf"numel \({2 * limit * triton_backend.INTERPRETER_PARTIAL_ROWS}\) exceeds"):
         triton_kernels.tile_partials_kernel[(1, 1)](
-            torch.zeros(hidden.shape[0], 2 * limit), partials, partials, hidden.shape[0], 2 * limit, 2 * limit, 1,
+            torch.zeros(hidden.shape[0], 2 * limit), partials, partials, hidden.shape[0], 2 * limit, 2 * limit, 1, 1, 1,
             ROWS=triton_backend.INTERPRETER_PARTIAL_ROWS, TILE=2 * limit, TILES=1,
         )  # fmt: skip
 
