@@ -34,7 +34,7 @@ class MatmulTiling:
 # Compiled CUDA: bf16 operands go to the tensor cores with fp32 accumulation; fp32 operands use
 # IEEE fp32 (no TF32). Interpreter: fp32 products summed over K in order (see the kernel).
 CUDA_TILING = {
-    torch.bfloat16: MatmulTiling(128, 256, 64, 8, 8, 3),  # H200: 0.71x cuBLAS at T=16384 (docs/benchmarks.md)
+    torch.bfloat16: MatmulTiling(128, 256, 64, 8, 8, 3),  # H200: 0.96x cuBLAS at T=16384 (docs/benchmarks.md)
     torch.float32: MatmulTiling(128, 64, 32, 8, 8, 3),
 }
 # The backward's d hidden += d logits @ w: same tiles as the matmul (an fp32 output block takes 128 KB of shared
@@ -53,8 +53,8 @@ FUSED_PROGRAMS_PER_SM = 2  # persistent programs of the TMA kernel per multiproc
 FUSED_MAX_TILE = 256  # compiled: a 128 x 256 fp32 accumulator is what one program's registers hold
 INTERPRETER_FUSED_ROWS = 64
 INTERPRETER_BLOCK_NUMEL = 1 << 20  # the interpreter's broadcast product is rows x K step x tile
-# The tile-partials kernel, compiled (H200: one row per one-warp program reduces without crossing warps; 1.75 ms
-# against 2.16 for 4 rows on 4 warps at T = 16384, docs/benchmarks.md).
+# The tile-partials kernel, compiled (H200, T = 16384: one row per one-warp program reduces without crossing warps;
+# kernels.logprob took 1.75 ms with it against 2.16 with 4 rows on 4 warps, docs/benchmarks.md).
 PARTIAL_ROWS = 1  # rows per program
 PARTIAL_WARPS = 1  # warps per program
 PARTIAL_TILES = 16  # tiles per program: fewer, longer programs; no effect on the bits
