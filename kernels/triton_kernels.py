@@ -290,6 +290,26 @@ def tile_epilogue(acc, rm, rn, tile, M, n_real, n_tiles, target_ptr, max_ptr, su
     tl.store(logit_ptr + rm, picked, mask=mine)
 
 
+@triton.jit
+def tma_dot(a_desc, b_desc, acc, row0, col0, depth, BLOCK_K: tl.constexpr, A_BY_K: tl.constexpr,
+            B_BY_K: tl.constexpr):  # fmt: skip
+    """``acc`` + the fp32 block A[row0:, :depth] @ B[col0:, :depth].T of the descriptors' block shapes, K walked in
+    order in BLOCK_K steps; past the edges TMA loads zero. A is a_desc's [M, K] (A_BY_K: its [K, M], transposed on
+    load), B is b_desc's [N, K] (B_BY_K: its [K, N]). The one TMA main loop of the fused head, the backward's d
+    logits and the matmul."""
+    for k0 in range(0, depth, BLOCK_K):
+        if A_BY_K:
+            a = a_desc.load([k0, row0]).T
+        else:
+            a = a_desc.load([row0, k0])
+        if B_BY_K:
+            b = b_desc.load([k0, col0])
+        else:
+            b = b_desc.load([col0, k0]).T
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    return acc
+
+
 @triton.jit(do_not_specialize=["M", "n_real", "n_tiles"])
 def fused_head_tma_kernel(
     a_desc, b_desc, target_ptr, max_ptr, sum_ptr, logit_ptr, M, n_real, n_tiles, K: tl.constexpr,
@@ -303,10 +323,7 @@ def fused_head_tma_kernel(
     for pid in tl.range(tl.program_id(0), grid_m * n_tiles, PROGRAMS, flatten=True):
         pid_m, tile = grouped_tile(pid, grid_m, n_tiles, GROUP_M)
         acc = tl.zeros((BLOCK_M, TILE), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            a = a_desc.load([pid_m * BLOCK_M, k0])
-            b = b_desc.load([tile * TILE, k0])
-            acc = tl.dot(a, b.T, acc, input_precision="ieee")
+        acc = tma_dot(a_desc, b_desc, acc, pid_m * BLOCK_M, tile * TILE, K, BLOCK_K, False, False)
         rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         rn = (tile * TILE + tl.arange(0, TILE)).to(tl.int64)
         tile_epilogue(acc, rm, rn, tile, M, n_real, n_tiles, target_ptr, max_ptr, sum_ptr, logit_ptr, TILE)
@@ -368,10 +385,7 @@ def gradient_logits_tma_kernel(
     for pid in tl.range(tl.program_id(0), grid_m * grid_n, PROGRAMS, flatten=True):
         pid_m, pid_n = grouped_tile(pid, grid_m, grid_n, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            a = a_desc.load([pid_m * BLOCK_M, k0])
-            b = b_desc.load([pid_n * BLOCK_N, k0])
-            acc = tl.dot(a, b.T, acc, input_precision="ieee")
+        acc = tma_dot(a_desc, b_desc, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, K, BLOCK_K, False, False)
         rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         gradient_epilogue(
@@ -417,16 +431,7 @@ def tma_matmul_tile(
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     acc = first_sum(c_ptr, rm, rn, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N, ACCUMULATE)
-    for k0 in range(0, k_size, BLOCK_K):
-        if A_BY_K:
-            a = a_desc.load([k0, pid_m * BLOCK_M]).T
-        else:
-            a = a_desc.load([pid_m * BLOCK_M, k0])
-        if B_BY_K:
-            b = b_desc.load([k0, pid_n * BLOCK_N])
-        else:
-            b = b_desc.load([pid_n * BLOCK_N, k0]).T
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+    acc = tma_dot(a_desc, b_desc, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, k_size, BLOCK_K, A_BY_K, B_BY_K)
     if STORE_BY_TMA:
         c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], round_to_bf16(acc))
     else:
