@@ -182,7 +182,7 @@ def tile_partials_kernel(
             x = widen_to_fp32(tl.load(at, mask=real, other=float("-inf")))
             lowest = tl.min(tl.where(real, x, 0.0), axis=1)
         m, s = tile_max_sumexp(x)
-        # NaN and +inf already make s NaN (x - shift); a real -inf logit would vanish in exp, so it is looked for.
+        # NaN and +inf already make s NaN (x - max); a real -inf logit would vanish in exp, so it is looked for.
         s = tl.where(lowest == float("-inf"), float("nan"), s)
         out = out_rows + tile * stride_out_tile
         keep = rows < tl.where(tile < n_tiles, T, 0)  # the last program's steps past n_tiles store nothing
@@ -400,12 +400,12 @@ def tma_matmul_kernel(
     PROGRAMS: tl.constexpr, A_BY_K: tl.constexpr, B_BY_K: tl.constexpr, ACCUMULATE: tl.constexpr,
     STORE_BY_TMA: tl.constexpr,
 ):  # fmt: skip
-    """``invariant_matmul_kernel`` with TMA operands: c[M, N] (+)= A @ B, where A is a_desc's [M, K] (A_BY_K: its
-        [K, M], transposed on load) and B is b_desc's [N, K] (B_BY_K: its [K, N]). One fixed tiling, K walked in order
-        from ``acc`` = c (ACCUMULATE, c fp32) or zero; past the edges loads zero. PROGRAMS > 0: that many persistent
-        programs walk the tiles in launch order; 0: one program per tile (the pipeline's buffers are then free for
-        the epilogue). STORE_BY_TMA: the bf16 block goes out through ``c_desc`` (the hardware clips it at the edges),
-    not as masked stores. Which program takes a tile never changes the tile's arithmetic."""
+    """``invariant_matmul_kernel`` with TMA operands: c[M, N] (+)= A @ B, A and B as ``tma_dot`` reads them. One
+    fixed tiling, K walked in order from ``acc`` = c (ACCUMULATE, c fp32) or zero; past the edges loads zero.
+    PROGRAMS > 0: that many persistent programs walk the tiles in launch order; 0: one program per tile (the
+    pipeline's buffers are then free for the epilogue). STORE_BY_TMA: the bf16 block goes out through ``c_desc``
+    (the hardware clips it at the edges), not as masked stores. Which program takes a tile never changes the tile's
+    arithmetic."""
     grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     if PROGRAMS > 0:
         for pid in tl.range(tl.program_id(0), grid_m * grid_n, PROGRAMS, flatten=True):
