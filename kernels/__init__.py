@@ -64,7 +64,7 @@ from kernels.provenance import (
 from kernels.ranks import LogprobResult
 from kernels.rounding import GradientBound, RoundingBound, gradient_bound, rounding_bound
 from kernels.sharding import ShardingSpec, padded_vocab_size
-from kernels.validation import EXECUTION_DTYPES, IGNORE_INDEX, dtype_name
+from kernels.validation import EXECUTION_DTYPES, IGNORE_INDEX, ValueChecks, dtype_name
 
 __all__ = [
     "BACKENDS",
@@ -108,6 +108,7 @@ __all__ = [
     "ShardingSpec",
     "TPConfigError",
     "TargetOutOfRangeError",
+    "ValueChecks",
     "bit_pattern",
     "bit_view",
     "distributed_ranks",

@@ -49,6 +49,19 @@ class ShardPartials:
     owned: torch.Tensor
 
 
+@dataclass(frozen=True)
+class WholeVocab:
+    """A TP = 1 call reduced by the backend in one step (``whole_vocab``): per-row outputs as ``LogprobResult``
+    holds them, and ``status``, a 0-dim int32 the kernel set: bit 0, a target outside the vocab that is not
+    ignore_index; bit 1, a non-finite lse or logp. The caller reads it before returning (``kernels.ranks``)."""
+
+    logp: torch.Tensor
+    lse: torch.Tensor
+    active: torch.Tensor
+    owner_rank: torch.Tensor
+    status: torch.Tensor
+
+
 class LogprobBackend(Protocol):
     """The three op nodes; optionally ``max_vocab_tile(device) -> int``, checked before any launch."""
 

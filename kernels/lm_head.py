@@ -19,37 +19,60 @@ from kernels.contract import TP_MODES
 from kernels.distributed import distributed_gradients, run_distributed
 from kernels.errors import KernelInputError, ShapeMismatchError
 from kernels.provenance import NodeProvenance, call_node
-from kernels.ranks import LogprobResult, check_vocab_tile, finish, rank_forward, rank_logprob, require_finite
+from kernels.ranks import (
+    LogprobResult,
+    check_vocab_tile,
+    finish,
+    rank_forward,
+    rank_logprob,
+    require_finite,
+    require_status,
+)
 from kernels.sharding import ShardingSpec
 from kernels.validation import (
     ValueChecks,
     check_finite,
     check_lm_head_inputs,
     check_logits_inputs,
-    check_matmul_inputs,
+    check_matmul_shapes,
+    check_matmul_values,
     check_target_range,
 )
 
 DEFAULT_VOCAB_TILE = 1024
 
 
-def matmul(hidden: torch.Tensor, weight: torch.Tensor, *, backend: str) -> tuple[torch.Tensor, NodeProvenance]:
-    """hidden[T, H] @ weight[V, H].T -> logits[T, V] in the execution dtype (float64 for reference)."""
+def matmul(
+    hidden: torch.Tensor, weight: torch.Tensor, *, backend: str, checks: ValueChecks | None = None
+) -> tuple[torch.Tensor, NodeProvenance]:
+    """hidden[T, H] @ weight[V, H].T -> logits[T, V] in the execution dtype (float64 for reference).
+
+    ``checks``: queue the checks of values there and return without waiting for the device; the caller's
+    ``checks.raise_first()`` raises them later (docs/kernels.md#errors). By default the call reads them itself."""
     impl = get_backend(backend)
-    checks = ValueChecks()
-    check_matmul_inputs(hidden, weight, checks)
+    own = checks is None
+    checks = caller_checks(checks)
+    check_matmul_shapes(hidden, weight)
     out = call_node(impl.matmul, hidden, weight)
-    checks.raise_first()
+    check_matmul_values(hidden, weight, checks)  # queued while the kernel runs
+    if own:
+        checks.raise_first()
     return out
 
 
 def logprob(
-    logits: torch.Tensor, targets: torch.Tensor, *, backend: str, vocab_tile: int = DEFAULT_VOCAB_TILE
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    backend: str,
+    vocab_tile: int = DEFAULT_VOCAB_TILE,
+    checks: ValueChecks | None = None,
 ) -> LogprobResult:
-    """logits[T, V] + targets[T] -> fp32 logp[T] and lse[T] (TP=1)."""
+    """logits[T, V] + targets[T] -> fp32 logp[T] and lse[T] (TP=1). ``checks`` as for ``matmul``."""
     impl = get_backend(backend)
     in_kernel = getattr(impl, "checks_finite_logits", False)  # the kernel poisons its result instead of a scan
-    checks = ValueChecks()
+    own = checks is None
+    checks = caller_checks(checks)
     check_logits_inputs(logits, targets, checks, values=not in_kernel)
     vocab = logits.shape[1]
     sharding = ShardingSpec.even(vocab, vocab_tile, 1)
@@ -57,13 +80,27 @@ def logprob(
     # The partials are launched first: a rank owns only targets inside its shard, so an out-of-range one is never
     # read there; the range check and its safe targets are queued while the kernel runs, before ``finish`` uses them.
     ranks = [rank_logprob(impl, logits, targets, sharding, matmul_provenance=None)]
-    safe_targets = check_target_range(targets, vocab, checks)
+    whole = ranks[0].whole  # a backend's one-launch TP = 1 path checks the targets and its outputs itself
+    safe_targets = targets if whole is not None else check_target_range(targets, vocab, checks)
     result = finish(impl, safe_targets, sharding, ranks, tp_mode="emulated")
     # A non-finite input is named as one, as the up-front scan would, before an overflow is considered.
     name_input = functools.partial(check_finite, "logits", logits) if in_kernel else None
-    require_finite(result, logits.dtype, checks, first=name_input)
-    checks.raise_first()
+    if whole is not None:
+        require_status(result, whole, targets, vocab, logits.dtype, checks, first=name_input)
+    else:
+        require_finite(result, logits.dtype, checks, first=name_input)
+    if own:
+        checks.raise_first()
     return result
+
+
+def caller_checks(checks: ValueChecks | None) -> ValueChecks:
+    """The caller's ``ValueChecks``, or a new one for a call that reads its own."""
+    if checks is None:
+        return ValueChecks()
+    if not isinstance(checks, ValueChecks):
+        raise KernelInputError(f"checks must be a kernels.ValueChecks or None, got {type(checks).__name__}")
+    return checks
 
 
 def lm_head_logprob(
@@ -75,12 +112,16 @@ def lm_head_logprob(
     tp: int = 1,
     tp_mode: str = "emulated",
     vocab_tile: int = DEFAULT_VOCAB_TILE,
+    checks: ValueChecks | None = None,
 ) -> LogprobResult:
-    """hidden[T, H], weight[V, H], targets[T] -> logp and lse of each row's target, vocab split over ``tp`` ranks."""
+    """hidden[T, H], weight[V, H], targets[T] -> logp and lse of each row's target, vocab split over ``tp`` ranks.
+    ``checks`` as for ``matmul`` (``tp_mode="distributed"`` still reads the input checks before its ranks start)."""
     if weight.dim() != 2:
         raise ShapeMismatchError(f"weight must be [V, H], got shape {tuple(weight.shape)}")
     sharding = ShardingSpec.even(weight.shape[0], vocab_tile, tp)  # raises TPConfigError for tp or tile
-    return sharded_lm_head_logprob(hidden, weight, targets, backend=backend, sharding=sharding, tp_mode=tp_mode)
+    return sharded_lm_head_logprob(
+        hidden, weight, targets, backend=backend, sharding=sharding, tp_mode=tp_mode, checks=checks
+    )
 
 
 def sharded_lm_head_logprob(
@@ -91,6 +132,7 @@ def sharded_lm_head_logprob(
     backend: str,
     sharding: ShardingSpec,
     tp_mode: str,
+    checks: ValueChecks | None = None,
 ) -> LogprobResult:
     """``lm_head_logprob`` with the vocab split given as a ``ShardingSpec`` of weight's vocab (any rank's view)."""
     impl = get_backend(backend)
@@ -98,7 +140,8 @@ def sharded_lm_head_logprob(
         raise KernelInputError(f"tp_mode must be one of {TP_MODES}, got {tp_mode!r}")
     if not isinstance(sharding, ShardingSpec):
         raise KernelInputError(f"sharding must be a ShardingSpec, got {sharding!r}")
-    checks = ValueChecks()
+    own = checks is None
+    checks = caller_checks(checks)
     check_lm_head_inputs(hidden, weight, targets, checks)
     if weight.shape[0] != sharding.vocab_size:
         raise ShapeMismatchError(
@@ -130,7 +173,8 @@ def sharded_lm_head_logprob(
         logp, lse = grad.TiledLogprobBackward.apply(hidden, weight, result.logp, result.lse, targets, gradients)
         result = replace(result, logp=logp, lse=lse)
     require_finite(result, hidden.dtype, checks)  # in the caller's process: typed in both tp modes
-    checks.raise_first()
+    if own:
+        checks.raise_first()
     return result
 
 

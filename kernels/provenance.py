@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -61,9 +62,14 @@ class Provenance:
 
 def device_name(tensor: torch.Tensor) -> str:
     """``cpu`` or ``cuda:0 (NVIDIA H200)``: where a tensor actually lives."""
-    if tensor.device.type == "cuda":
-        return f"{tensor.device} ({torch.cuda.get_device_name(tensor.device)})"
-    return str(tensor.device)
+    return named_device(tensor.device)
+
+
+@functools.cache
+def named_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
 
 
 def observe(node: str, backend: str, out: torch.Tensor, **config: Any) -> NodeProvenance:

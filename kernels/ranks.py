@@ -13,11 +13,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kernels.backend import LogprobBackend, ShardPartials
+from kernels.backend import LogprobBackend, ShardPartials, WholeVocab
 from kernels.errors import NonFiniteOutputError, TPConfigError
 from kernels.provenance import NodeProvenance, Provenance, across_ranks, call_node
 from kernels.sharding import ShardingSpec
-from kernels.validation import IGNORE_INDEX, ValueChecks, dtype_name, nonfinite_screen
+from kernels.validation import IGNORE_INDEX, ValueChecks, dtype_name, explain_target_range, nonfinite_screen
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,11 @@ class RankOutput:
     """What one rank computes before any communication."""
 
     logits: torch.Tensor | None  # None: a fused backend never materializes them
-    partials: ShardPartials | None  # None: the backend reduces the full vocab itself (TP=1, full_vocab_logprob/_lse)
+    partials: ShardPartials | None  # None: the backend reduces the full vocab itself (TP = 1)
     matmul: NodeProvenance | None
     logprob: NodeProvenance | None
+    whole: WholeVocab | None = None  # TP = 1 on a backend with ``whole_vocab``: the outputs, already merged
+    tp_merge: NodeProvenance | None = None  # the record of that merge
 
 
 def check_vocab_tile(impl: LogprobBackend, vocab_tile: int, device: torch.device) -> None:
@@ -65,6 +67,41 @@ def require_finite(
     overflow; [T] is cheap to scan."""
     explain = functools.partial(explain_nonfinite_row, result, execution_dtype, first)
     checks.add(nonfinite_screen(result.lse + result.logp), explain)
+
+
+def require_status(
+    result: LogprobResult,
+    whole: WholeVocab,
+    targets: torch.Tensor,
+    vocab_size: int,
+    execution_dtype: torch.dtype,
+    checks: ValueChecks,
+    *,
+    first: Callable[[], None] | None = None,
+) -> None:
+    """Queue the verdict a ``whole_vocab`` kernel wrote itself (``WholeVocab.status``) in place of the target-range
+    check and ``require_finite``'s screen: one value, read with the call's other checks, explained by the same
+    errors in the same order (an out-of-range target before a non-finite output)."""
+    checks.add(
+        whole.status,
+        functools.partial(explain_status, whole.status, result, targets, vocab_size, execution_dtype, first),
+    )
+
+
+def explain_status(
+    status: torch.Tensor,
+    result: LogprobResult,
+    targets: torch.Tensor,
+    vocab_size: int,
+    execution_dtype: torch.dtype,
+    first: Callable[[], None] | None,
+) -> None:
+    bits = int(status)
+    if bits & 1:
+        bad = ((targets < 0) | (targets >= vocab_size)) & (targets != IGNORE_INDEX)
+        explain_target_range(targets, bad, vocab_size)
+    if bits & 2:
+        explain_nonfinite_row(result, execution_dtype, first)
 
 
 def explain_nonfinite_row(
@@ -105,6 +142,9 @@ def rank_logprob(
     *,
     matmul_provenance: NodeProvenance | None,
 ) -> RankOutput:
+    if sharding.world_size == 1 and hasattr(impl, "whole_vocab"):
+        whole, prov, merge_prov = call_node(impl.whole_vocab, shard_logits, targets, sharding)
+        return RankOutput(shard_logits, None, matmul_provenance, prov, whole, merge_prov)
     if sharding.world_size == 1 and hasattr(impl, "full_vocab_logprob"):
         return RankOutput(shard_logits, None, matmul_provenance, None)
     owned, local_targets = shard_targets(targets, sharding)
@@ -128,6 +168,13 @@ def finish(
     tp_mode: str,
 ) -> LogprobResult:
     """Merge every rank's partials (identical on each rank) into the replicated result."""
+    whole = ranks[0].whole
+    if whole is not None:  # the backend reduced, merged and finished the rows itself
+        nodes = {"logprob": ranks[0].logprob, "tp_merge": ranks[0].tp_merge}
+        if ranks[0].matmul is not None:
+            nodes = {"matmul": ranks[0].matmul, **nodes}
+        provenance = Provenance(nodes=nodes, tp=1, tp_mode=tp_mode)
+        return LogprobResult(whole.logp, whole.lse, whole.active, whole.owner_rank, provenance)
     active = targets != IGNORE_INDEX
     if ranks[0].partials is None:
         logits = ranks[0].logits

@@ -5,18 +5,19 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 
 import torch
 
-from kernels.backend import ShardPartials, register_backend
+from kernels.backend import ShardPartials, WholeVocab, register_backend
 from kernels.capability import ImplementationKind, LogprobBackendCapability
 from kernels.contract import EXECUTION_DTYPE_NAMES, DeterminismScope, MergeOrder
 from kernels.errors import BackendUnavailableError
-from kernels.launches import launch_triton
+from kernels.launches import distinct_launches, launch_triton, recording_launches
 from kernels.provenance import NodeProvenance, observe
 from kernels.sharding import ShardingSpec
+from kernels.validation import IGNORE_INDEX
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,12 @@ CUDA_TILING = {
 }
 # The backward's d hidden += d logits @ w: same tiles as the matmul (an fp32 output block takes 128 KB of shared
 # memory, so its TMA kernel runs one program per tile: docs/benchmarks.md).
+# Decode sizes on the TMA path (at most DECODE_ROWS rows, bf16): 64 x 128 blocks, so the weight's 1.2 GB read is
+# spread over 9 times as many programs (H200, T = 64: 1.13x cuBLAS against 0.87x). A block's shape never changes an
+# output's arithmetic (fp32 sum over K in BLOCK_K steps, the same per element); tests/test_kernel_invariance.py
+# checks the two tilings bitwise on CUDA (docs/kernels.md#why-the-triton-kernels-are-invariant).
+DECODE_ROWS = 64
+DECODE_TILING = {torch.bfloat16: MatmulTiling(64, 128, 64, 8, 4, 4)}
 D_HIDDEN_TILING = {torch.bfloat16: MatmulTiling(128, 256, 64, 8, 8, 3), torch.float32: CUDA_TILING[torch.float32]}
 INTERPRETER_TILING = MatmulTiling(64, 256, 64, 8, 4, 1)  # 64*64*256 products: under the 2**20 block cap
 # The fused head's tiling: its tile of vocab columns is the contract's vocab_tile, so only the rows and the K
@@ -49,20 +56,25 @@ FUSED_TILING = {
 }
 FUSED_TMA = True  # use fused_head_tma_kernel where the GPU and the operands allow it (tma_ready)
 STORE_BY_TMA = True  # the TMA matmul writes a bf16 output through a descriptor (tma_matmul)
+MATMUL_PROGRAMS_PER_SM = 2  # persistent programs of the TMA matmul per multiprocessor; 0: one program per tile
 FUSED_PROGRAMS_PER_SM = 2  # persistent programs of the TMA kernel per multiprocessor (H200: 2 beat 1)
 FUSED_MAX_TILE = 256  # compiled: a 128 x 256 fp32 accumulator is what one program's registers hold
 INTERPRETER_FUSED_ROWS = 64
 INTERPRETER_BLOCK_NUMEL = 1 << 20  # the interpreter's broadcast product is rows x K step x tile
 # The tile-partials kernel, compiled (H200, T = 16384: one row per one-warp program reduces without crossing warps;
-# kernels.logprob took 1.75 ms with it against 2.16 with 4 rows on 4 warps, docs/benchmarks.md).
+# kernels.logprob took 1.75 ms with it against 2.16 with 4 rows on 4 warps; with the next tile's load issued early,
+# 8 tiles per program took 1.20 ms against 1.27 with 16 and 1.34 with 32, docs/benchmarks.md).
 PARTIAL_ROWS = 1  # rows per program
 PARTIAL_WARPS = 1  # warps per program
-PARTIAL_TILES = 16  # tiles per program: fewer, longer programs; no effect on the bits
+PARTIAL_TILES = 8  # tiles per program: fewer, longer programs; no effect on the bits
+PARTIAL_PROGRAMS = 8192  # fewer tiles per program until the tile-partials launch has this many programs
 GRADIENT_CHUNK_COLUMNS = 4096  # vocab columns whose d logits [T, chunk] the backward holds at once
 INTERPRETER_PARTIAL_ROWS = 64  # the interpreter pays per program, not per row
 MERGE_ROWS = 128  # rows per program of the ordered merge
 TARGET_ROWS = 128  # rows per program of the target-logit copy
 TRITON_KERNELS = "kernels.triton_kernels"  # imported on first use: TRITON_INTERPRET is read at decoration
+PARTIALS_KERNELS = ("tile_partials_kernel", "target_logit_kernel")  # a shard's partials from given logits
+FINISH_KERNELS = ("ordered_merge_kernel", "whole_vocab_finish_kernel")  # the merge: of ranks, or TP = 1's own
 
 
 # Both Triton backends: fixed global vocab tiles merged left to right, the same bits for every TP degree (checked
@@ -103,8 +115,8 @@ def load_kernels(device: torch.device) -> tuple[ModuleType, bool]:
     "triton",
     kernels={
         "matmul": {f"{TRITON_KERNELS}.invariant_matmul_kernel", f"{TRITON_KERNELS}.tma_matmul_kernel"},
-        "logprob": {f"{TRITON_KERNELS}.tile_partials_kernel", f"{TRITON_KERNELS}.target_logit_kernel"},
-        "tp_merge": {f"{TRITON_KERNELS}.ordered_merge_kernel"},
+        "logprob": {f"{TRITON_KERNELS}.{name}" for name in PARTIALS_KERNELS},
+        "tp_merge": {f"{TRITON_KERNELS}.{name}" for name in FINISH_KERNELS},
     },
     capability=GLOBAL_TILES,
 )
@@ -124,10 +136,15 @@ class TritonBackend:
     ) -> tuple[torch.Tensor, NodeProvenance]:
         """hidden @ weight.T in one fixed tiling, fp32 accumulation, rounded once to ``out_dtype``."""
         kernels_module, interpreted = load_kernels(hidden.device)
-        tiling = INTERPRETER_TILING if interpreted else CUDA_TILING[hidden.dtype]
         rows, cols = hidden.shape[0], weight.shape[0]
         logits = aligned_empty(rows, cols, out_dtype, hidden.device)
         matmul = matmul_launcher(interpreted, hidden, weight)
+        if interpreted:
+            tiling = INTERPRETER_TILING
+        elif matmul is tma_matmul and rows <= DECODE_ROWS and hidden.dtype in DECODE_TILING:
+            tiling = DECODE_TILING[hidden.dtype]
+        else:
+            tiling = CUDA_TILING[hidden.dtype]
         matmul(kernels_module, hidden, weight, logits, tiling, tiling.block_k, a_by_k=False, b_by_k=False,
                accumulate=False)  # fmt: skip
         return logits, observe("matmul", self.id, logits, interpreted=interpreted)
@@ -207,30 +224,67 @@ class TritonBackend:
 
         return TRITON_MAX_TENSOR_NUMEL // partial_rows(interpreted)
 
+    def tile_partials(
+        self, kernels_module: ModuleType, interpreted: bool, logits: torch.Tensor, sharding: ShardingSpec
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(maxes, sums) [T, n_tiles] of this rank's shard of logits (``tile_partials_kernel``), as views of
+        tile-major storage: the merge reads one tile of consecutive rows at a time."""
+        logits = aligned_rows(logits)
+        rows, n_real = logits.shape
+        lo, hi = sharding.shard
+        n_tiles = (hi - lo) // sharding.vocab_tile
+        scratch = torch.empty((2, n_tiles, rows), dtype=torch.float32, device=logits.device)
+        maxes, sums = scratch[0].T, scratch[1].T
+        rows_per_program = partial_rows(interpreted)
+        blocks = triton_cdiv(rows, rows_per_program)
+        tiles = min(PARTIAL_TILES, n_tiles) if interpreted else partial_tiles(blocks, n_tiles)
+        launch_triton(
+            kernels_module.tile_partials_kernel, (blocks, triton_cdiv(n_tiles, tiles)),
+            logits, maxes, sums, rows, n_real, logits.stride(0), n_tiles, *maxes.stride(),
+            ROWS=rows_per_program, TILE=sharding.vocab_tile, TILES=tiles, num_warps=PARTIAL_WARPS,
+        )  # fmt: skip
+        return maxes, sums
+
     def shard_partials(
         self, logits: torch.Tensor, local_targets: torch.Tensor, owned: torch.Tensor, sharding: ShardingSpec
     ) -> tuple[ShardPartials, NodeProvenance]:
         kernels_module, interpreted = load_kernels(logits.device)
         logits = aligned_rows(logits)
         rows, n_real = logits.shape
-        lo, hi = sharding.shard
-        n_tiles = (hi - lo) // sharding.vocab_tile
-        # [T, n_tiles] views of tile-major storage: the merge reads one tile of consecutive rows at a time.
-        maxes = torch.empty((n_tiles, rows), dtype=torch.float32, device=logits.device).T
-        sums = torch.empty((n_tiles, rows), dtype=torch.float32, device=logits.device).T
-        rows_per_program = partial_rows(interpreted)
-        tiles = max(1, min(PARTIAL_TILES, n_tiles))
-        launch_triton(
-            kernels_module.tile_partials_kernel, (triton_cdiv(rows, rows_per_program), triton_cdiv(n_tiles, tiles)),
-            logits, maxes, sums, rows, n_real, logits.stride(0), n_tiles, *maxes.stride(),
-            ROWS=rows_per_program, TILE=sharding.vocab_tile, TILES=tiles, num_warps=PARTIAL_WARPS,
-        )  # fmt: skip
+        maxes, sums = self.tile_partials(kernels_module, interpreted, logits, sharding)
         target = torch.empty((rows,), dtype=torch.float32, device=logits.device)
         launch_triton(
             kernels_module.target_logit_kernel, (triton_cdiv(rows, TARGET_ROWS),),
             logits, local_targets, owned, target, rows, n_real, logits.stride(0), BLOCK=TARGET_ROWS,
         )  # fmt: skip
         return ShardPartials(maxes, sums, target, owned), observe("logprob", self.id, sums, interpreted=interpreted)
+
+    def whole_vocab(
+        self, logits: torch.Tensor, targets: torch.Tensor, sharding: ShardingSpec
+    ) -> tuple[WholeVocab, NodeProvenance, NodeProvenance]:
+        """TP = 1 in two launches and no torch op: logits[T, V] and targets[T] (unchecked) -> logp, lse, active,
+        owner rank and a status word (``WholeVocab``), with the records of the logprob node (the tile partials,
+        ``tile_partials_kernel``) and the tp_merge node (``whole_vocab_finish_kernel``: merge, target logit, logp and
+        the checks of the targets' range and of the outputs). The tiles and the merge are those of
+        ``shard_partials`` then ``merge``, so the bits are the same at every TP degree."""
+        kernels_module, interpreted = load_kernels(logits.device)
+        with recording_launches() as partial_launches:  # the logprob node's own record
+            maxes, sums = self.tile_partials(kernels_module, interpreted, logits, sharding)
+        rows, vocab = logits.shape
+        out = torch.empty((2, rows), dtype=torch.float32, device=logits.device)
+        active = torch.empty((rows,), dtype=torch.bool, device=logits.device)
+        owner = torch.empty((rows,), dtype=torch.int64, device=logits.device)
+        status = torch.zeros((), dtype=torch.int32, device=logits.device)
+        launch_triton(
+            kernels_module.whole_vocab_finish_kernel, (triton_cdiv(rows, MERGE_ROWS),),
+            logits, targets, maxes, sums, status, out[0], out[1], active.view(torch.uint8), owner,
+            rows, vocab, logits.stride(0), *maxes.stride(), n_tiles=maxes.shape[1], BLOCK=MERGE_ROWS,
+            IGNORE=IGNORE_INDEX,
+        )  # fmt: skip
+        whole = WholeVocab(logp=out[0], lse=out[1], active=active, owner_rank=owner, status=status)
+        partials = observe("logprob", self.id, sums, interpreted=interpreted)
+        merged = observe("tp_merge", self.id, out, tiles=maxes.shape[1], interpreted=interpreted)
+        return whole, replace(partials, launches=distinct_launches(partial_launches)), merged
 
     def merge(self, partials: Sequence[ShardPartials]) -> tuple[torch.Tensor, NodeProvenance]:
         # Ranks hold contiguous shards in rank order, so concatenation is global tile order (one rank: no copy).
@@ -255,10 +309,9 @@ class TritonBackend:
             for name in ("fused_head_kernel", "fused_head_tma_kernel", "invariant_matmul_kernel", "tma_matmul_kernel")
         },
         "logprob": {
-            f"{TRITON_KERNELS}.{name}"
-            for name in ("fused_head_kernel", "fused_head_tma_kernel", "tile_partials_kernel", "target_logit_kernel")
+            f"{TRITON_KERNELS}.{name}" for name in ("fused_head_kernel", "fused_head_tma_kernel", *PARTIALS_KERNELS)
         },
-        "tp_merge": {f"{TRITON_KERNELS}.ordered_merge_kernel"},
+        "tp_merge": {f"{TRITON_KERNELS}.{name}" for name in FINISH_KERNELS},
     },
     # The matmul and the per-tile partials are one kernel and the logits stay fp32 in registers; the tiles are
     # the global vocab tiles of the unfused backend, merged in the same order.
@@ -359,8 +412,8 @@ def tma_matmul(kernels_module, a, b, c, tiling, block_k, *, a_by_k, b_by_k, accu
     a_block = [block_k, tiling.block_m] if a_by_k else [tiling.block_m, block_k]
     b_block = [block_k, tiling.block_n] if b_by_k else [tiling.block_n, block_k]
     tiles = triton_cdiv(rows, tiling.block_m) * triton_cdiv(cols, tiling.block_n)
-    persistent = c.element_size() < 4
-    programs = persistent_programs(tiles, c.device) if persistent else 0
+    persistent = c.element_size() < 4 and MATMUL_PROGRAMS_PER_SM > 0
+    programs = persistent_programs(tiles, c.device, MATMUL_PROGRAMS_PER_SM) if persistent else 0
     # A bf16 output leaves by TMA: masked stores against a runtime width cannot be vectorized (0.75x cuBLAS).
     store_by_tma = STORE_BY_TMA and c.dtype == torch.bfloat16 and not accumulate and tma_aligned(c)
     c_desc = TensorDescriptor.from_tensor(c, [tiling.block_m, tiling.block_n]) if store_by_tma else None
@@ -387,7 +440,7 @@ def tma_ready(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     weight shard with at least one real row. The choice depends on the device and the hidden size only."""
     return (
         FUSED_TMA
-        and torch.cuda.get_device_capability(hidden.device)[0] >= 9
+        and compute_capability(hidden.device)[0] >= 9
         and weight.shape[0] > 0
         and tma_aligned(hidden)
         and tma_aligned(weight)
@@ -401,15 +454,30 @@ def tma_aligned(tensor: torch.Tensor) -> bool:
     )
 
 
-def persistent_programs(tiles: int, device: torch.device) -> int:
-    """How many persistent programs walk ``tiles`` output blocks: FUSED_PROGRAMS_PER_SM per multiprocessor, at
-    most one per block. Only which program takes a block depends on it, never a block's arithmetic."""
-    return min(tiles, FUSED_PROGRAMS_PER_SM * multiprocessors(device))
+def persistent_programs(tiles: int, device: torch.device, per_sm: int | None = None) -> int:
+    """How many persistent programs walk ``tiles`` output blocks: ``per_sm`` (default FUSED_PROGRAMS_PER_SM) per
+    multiprocessor, at most one per block. Only which program takes a block depends on it, never its arithmetic."""
+    return min(tiles, (FUSED_PROGRAMS_PER_SM if per_sm is None else per_sm) * multiprocessors(device))
+
+
+@functools.cache
+def compute_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 @functools.cache
 def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def partial_tiles(blocks: int, n_tiles: int) -> int:
+    """Tiles per program of the compiled tile-partials kernel: PARTIAL_TILES, halved while the launch would have
+    fewer than PARTIAL_PROGRAMS programs (decode sizes: few rows, so a row's tiles are spread over more programs).
+    It sets how many programs share a row, never a tile's arithmetic, so it may follow the row count."""
+    tiles = PARTIAL_TILES
+    while tiles > 1 and blocks * triton_cdiv(n_tiles, tiles) < PARTIAL_PROGRAMS:
+        tiles //= 2
+    return max(1, min(tiles, n_tiles))
 
 
 def partial_rows(interpreted: bool) -> int:

@@ -149,45 +149,70 @@ def invariant_matmul_kernel(
     store_rounded(c_ptr, acc, rm, rn, M, N, stride_cm, stride_cn)
 
 
+@triton.jit
+def tile_partials(x, lowest):
+    """Per row of the loaded tile ``x`` [rows, TILE] (bf16 or fp32; padding -inf) whose least real value is
+    ``lowest``: fp32 max and sum(exp(x - max)). A NaN or infinite logit makes the sum NaN, so the caller sees a
+    non-finite lse without a second pass over the logits to look for one."""
+    m, s = tile_max_sumexp(widen_to_fp32(x))
+    # NaN and +inf already make s NaN (x - max); a real -inf logit would vanish in exp, so it is looked for.
+    return m, tl.where(lowest == float("-inf"), float("nan"), s)
+
+
+@triton.jit
+def store_tile_partials(
+    logits_ptr, max_ptr, sum_ptr, rows, T, n_real, stride_t, n_tiles, stride_out_row, stride_out_tile,
+    TILE: tl.constexpr, TILES: tl.constexpr,
+):  # fmt: skip
+    """The partials of ``rows`` over this program's TILES consecutive tiles (program_id(1) * TILES onwards), one
+    tile at a time, stored at ``row * stride_out_row + tile * stride_out_tile``. Rows past T read row T - 1 and
+    store nothing, so no row mask narrows the loads either.
+
+    A program whose tiles are all wholly inside the real columns loads them without a mask, so the loads stay as
+    wide as the alignment allows, and issues each tile's load before the previous tile's reduction (two tiles in
+    flight per warp). Otherwise (a shard's last program) each tile is loaded masked. Which path a tile takes depends
+    on its global position only (shards start on tile boundaries), never on the call's rows, and both give a tile
+    the same arithmetic (``tile_partials``)."""
+    source = tl.minimum(rows, T - 1).to(tl.int64)
+    out_rows = rows.to(tl.int64) * stride_out_row
+    first = tl.program_id(1) * TILES
+    if (first + TILES) * TILE <= n_real:
+        at = logits_ptr + source[:, None] * stride_t + (first * TILE + tl.arange(0, TILE))[None, :]
+        x = tl.load(at)
+        for step in range(TILES):
+            ahead = tl.load(at + tl.minimum(step + 1, TILES - 1) * TILE)  # the last step reloads its own tile
+            m, s = tile_partials(x, tl.min(widen_to_fp32(x), axis=1))
+            out = out_rows + (first + step) * stride_out_tile
+            tl.store(max_ptr + out, m, mask=rows < T)
+            tl.store(sum_ptr + out, s, mask=rows < T)
+            x = ahead
+    else:
+        for step in range(TILES):
+            tile = first + step
+            cols = tile * TILE + tl.arange(0, TILE)
+            real = cols[None, :] < n_real
+            x = tl.load(logits_ptr + source[:, None] * stride_t + cols[None, :], mask=real, other=float("-inf"))
+            m, s = tile_partials(x, tl.min(tl.where(real, widen_to_fp32(x), 0.0), axis=1))
+            out = out_rows + tile * stride_out_tile
+            keep = rows < tl.where(tile < n_tiles, T, 0)  # the last program's steps past n_tiles store nothing
+            tl.store(max_ptr + out, m, mask=keep)
+            tl.store(sum_ptr + out, s, mask=keep)
+
+
 @triton.jit(do_not_specialize=["T", "n_real", "n_tiles"])
 def tile_partials_kernel(
     logits_ptr, max_ptr, sum_ptr, T, n_real, stride_t, n_tiles, stride_out_row, stride_out_tile,
     ROWS: tl.constexpr, TILE: tl.constexpr, TILES: tl.constexpr,
 ):  # fmt: skip
-    """Per (row, tile): fp32 max and sum(exp(x - max)) over TILE columns; padding is -inf.
+    """Per (row, tile) of one shard's logits: fp32 max and sum(exp(x - max)) over TILE columns (``tile_partials``).
 
-    Each program takes ROWS rows and TILES consecutive tiles, one tile at a time: how many it takes changes
-    the number of programs, never a tile's arithmetic. A NaN or infinite logit makes its tile's sum NaN, so the
-    caller sees a non-finite lse without a second pass over the logits to look for one. The partials of (row,
-    tile) go to ``row * stride_out_row + tile * stride_out_tile``.
-
-    A tile wholly inside the real columns is loaded without a mask, so its loads stay as wide as the alignment
-    allows; only a shard's last, partly real tile takes the masked path. Which path a tile takes depends on its
-    global position only (shards start on tile boundaries), never on the call's rows.
-    """
-    pid_r = tl.program_id(0)
-    rows = pid_r * ROWS + tl.arange(0, ROWS)
-    # Rows past T read row T - 1 and store nothing, so no row mask narrows the loads either.
-    source = tl.minimum(rows, T - 1).to(tl.int64)
-    out_rows = rows.to(tl.int64) * stride_out_row
-    for step in range(TILES):
-        tile = tl.program_id(1) * TILES + step
-        cols = tile * TILE + tl.arange(0, TILE)
-        at = logits_ptr + source[:, None] * stride_t + cols[None, :]
-        if (tile + 1) * TILE <= n_real:
-            x = widen_to_fp32(tl.load(at))
-            lowest = tl.min(x, axis=1)
-        else:
-            real = cols[None, :] < n_real
-            x = widen_to_fp32(tl.load(at, mask=real, other=float("-inf")))
-            lowest = tl.min(tl.where(real, x, 0.0), axis=1)
-        m, s = tile_max_sumexp(x)
-        # NaN and +inf already make s NaN (x - max); a real -inf logit would vanish in exp, so it is looked for.
-        s = tl.where(lowest == float("-inf"), float("nan"), s)
-        out = out_rows + tile * stride_out_tile
-        keep = rows < tl.where(tile < n_tiles, T, 0)  # the last program's steps past n_tiles store nothing
-        tl.store(max_ptr + out, m, mask=keep)
-        tl.store(sum_ptr + out, s, mask=keep)
+    Each program takes ROWS rows and TILES consecutive tiles: how many it takes changes the number of programs,
+    never a tile's arithmetic."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    store_tile_partials(
+        logits_ptr, max_ptr, sum_ptr, rows, T, n_real, stride_t, n_tiles, stride_out_row, stride_out_tile,
+        TILE, TILES,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["T", "n_real"])
@@ -216,15 +241,12 @@ def load_partials(max_ptr, sum_ptr, at, live):
     return tl.load(max_ptr + at, mask=live, other=float("-inf")), tl.load(sum_ptr + at, mask=live, other=0.0)
 
 
-@triton.jit(do_not_specialize=["T"])
-def ordered_merge_kernel(max_ptr, sum_ptr, lse_ptr, T, stride_row, stride_tile, n_tiles: tl.constexpr,
-                         BLOCK: tl.constexpr):  # fmt: skip
-    """lse[T] from per-tile partials (row, tile) at ``row * stride_row + tile * stride_tile``, merged strictly
-    left to right. Eight tiles' loads are issued before their merges, which still run one tile at a time: the
-    loads' latency is paid once per eight tiles instead of once per tile."""
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = rows < T
-    base = rows.to(tl.int64) * stride_row
+@triton.jit
+def merge_tiles(max_ptr, sum_ptr, base, live, stride_tile, n_tiles: tl.constexpr, BLOCK: tl.constexpr):
+    """lse of the rows whose partials of tile t sit at ``base + t * stride_tile``, the tiles merged strictly left
+    to right. Eight tiles' loads are issued before their merges, which still run one tile at a time: the loads'
+    latency is paid once per eight tiles instead of once per tile. Each row's arithmetic is its own, so the
+    rows per program never change its bits."""
     run_max = tl.full((BLOCK,), float("-inf"), tl.float32)
     run_sum = tl.zeros((BLOCK,), tl.float32)
     for t in range(0, n_tiles - n_tiles % 8, 8):
@@ -247,7 +269,45 @@ def ordered_merge_kernel(max_ptr, sum_ptr, lse_ptr, T, stride_row, stride_tile, 
     for t in range(n_tiles - n_tiles % 8, n_tiles):
         m, s = load_partials(max_ptr, sum_ptr, base + t * stride_tile, live)
         run_max, run_sum = merge_step(run_max, run_sum, m, s)
-    tl.store(lse_ptr + rows, run_max + tl.log(run_sum), mask=live)
+    return run_max + tl.log(run_sum)
+
+
+@triton.jit(do_not_specialize=["T"])
+def ordered_merge_kernel(max_ptr, sum_ptr, lse_ptr, T, stride_row, stride_tile, n_tiles: tl.constexpr,
+                         BLOCK: tl.constexpr):  # fmt: skip
+    """lse[T] from per-tile partials (row, tile) at ``row * stride_row + tile * stride_tile`` (``merge_tiles``)."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = rows < T
+    lse = merge_tiles(max_ptr, sum_ptr, rows.to(tl.int64) * stride_row, live, stride_tile, n_tiles, BLOCK)
+    tl.store(lse_ptr + rows, lse, mask=live)
+
+
+@triton.jit(do_not_specialize=["T", "n_real"])
+def whole_vocab_finish_kernel(
+    logits_ptr, target_ptr, max_ptr, sum_ptr, status_ptr, logp_ptr, lse_ptr, active_ptr, owner_ptr,
+    T, n_real, stride_t, stride_row, stride_tile, n_tiles: tl.constexpr, BLOCK: tl.constexpr, IGNORE: tl.constexpr,
+):  # fmt: skip
+    """TP = 1: the tile partials of logits[T, n_real] (as ``ordered_merge_kernel`` reads them) and targets[T] ->
+    lse (``merge_tiles``), logp = logit[target] - lse (0 where the target is IGNORE), active and owner rank (0, or
+    -1 where inactive): the bits of the partials-merge-finish path at every TP degree, in one launch. Sets bit 0 of
+    ``status_ptr`` for a target outside [0, n_real) that is not IGNORE (read as inactive here) and bit 1 for a
+    non-finite lse or logp; the caller reads it to raise."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = rows < T
+    lse = merge_tiles(max_ptr, sum_ptr, rows.to(tl.int64) * stride_row, live, stride_tile, n_tiles, BLOCK)
+    target = tl.load(target_ptr + rows, mask=live, other=IGNORE)
+    active = target != IGNORE
+    valid = (target >= 0) & (target < n_real)
+    x = tl.load(logits_ptr + rows.to(tl.int64) * stride_t + tl.where(valid, target, 0), mask=live & valid, other=0)
+    logp = tl.where(active & valid, widen_to_fp32(x) - lse, 0.0)
+    finite = (tl.abs(lse) < float("inf")) & (tl.abs(logp) < float("inf"))  # false for NaN too
+    out_of_range = tl.max((live & active & ~valid).to(tl.int32), axis=0)
+    bits = out_of_range | (2 * tl.max((live & ~finite).to(tl.int32), axis=0))
+    tl.atomic_or(status_ptr, bits, mask=bits != 0)
+    tl.store(lse_ptr + rows, lse, mask=live)
+    tl.store(logp_ptr + rows, logp, mask=live)
+    tl.store(active_ptr + rows, active.to(tl.uint8), mask=live)
+    tl.store(owner_ptr + rows, tl.where(active, 0, -1).to(tl.int64), mask=live)
 
 
 @triton.jit(do_not_specialize=["M", "n_real", "n_tiles"])

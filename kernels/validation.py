@@ -32,10 +32,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 class ValueChecks:
     """Checks of input and output values queued on the device, read in one device-to-host copy.
 
-    ``add(failed, explain)`` queues a 0-dim bool tensor that is true when something may be wrong and the function
-    that looks closer: it raises the typed error naming the value, or returns when the screen was a false alarm
-    (a sum of finite values can overflow). ``raise_first()`` waits for the device once and runs the explanation of
-    the first failed check, in the order they were added, so a call raises what up-front checks would have raised.
+    ``add(failed, explain)`` queues a 0-dim tensor (bool, or a kernel's integer status word) that is nonzero when
+    something may be wrong and the function that looks closer: it raises the typed error naming the value, or
+    returns when the screen was a false alarm (a sum of finite values can overflow). ``raise_first()`` waits for the
+    device once and runs the explanation of the first failed check, in the order they were added, so a call raises
+    what up-front checks would have raised.
     """
 
     def __init__(self) -> None:
@@ -48,14 +49,22 @@ class ValueChecks:
         pending, self._pending = self._pending, []
         if not pending:
             return
-        verdicts = torch.stack([failed for failed, _ in pending]).tolist()  # the call's one wait for the device
+        flags = [failed for failed, _ in pending]
+        # The call's one wait for the device; a lone verdict is copied as it is, without a stack to launch.
+        verdicts = flags[0].reshape(1).tolist() if len(flags) == 1 else torch.stack(flags).tolist()
         for failed, (_, explain) in zip(verdicts, pending, strict=True):
             if failed:
                 explain()
 
 
-def check_matmul_inputs(hidden: torch.Tensor, weight: torch.Tensor, checks: ValueChecks) -> None:
-    """Shapes, dtypes and device of hidden[T, H] and weight[V, H]; their finiteness queued in ``checks``."""
+def check_matmul_values(hidden: torch.Tensor, weight: torch.Tensor, checks: ValueChecks) -> None:
+    """hidden's finiteness queued in ``checks``; weight's checked at its first sight (``check_finite_once``)."""
+    check_finite("hidden", hidden, checks)
+    check_finite_once("weight", weight)
+
+
+def check_matmul_shapes(hidden: torch.Tensor, weight: torch.Tensor) -> None:
+    """Shapes, dtypes and device of hidden[T, H] and weight[V, H]: everything but their values."""
     if hidden.dim() != 2:
         raise ShapeMismatchError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
     if weight.dim() != 2:
@@ -69,15 +78,14 @@ def check_matmul_inputs(hidden: torch.Tensor, weight: torch.Tensor, checks: Valu
         raise DtypeMismatchError(f"hidden is {hidden.dtype} but weight is {weight.dtype}")
     if hidden.device != weight.device:
         raise ShapeMismatchError(f"inputs on different devices: hidden {hidden.device}, weight {weight.device}")
-    check_finite("hidden", hidden, checks)
-    check_finite_once("weight", weight)
 
 
 def check_lm_head_inputs(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, checks: ValueChecks
 ) -> None:
-    """``check_matmul_inputs`` plus targets[T] on the same device."""
-    check_matmul_inputs(hidden, weight, checks)
+    """``check_matmul_shapes`` and ``check_matmul_values`` plus targets[T] on the same device."""
+    check_matmul_shapes(hidden, weight)
+    check_matmul_values(hidden, weight, checks)
     check_targets(targets, rows=hidden.shape[0])
     if targets.device != hidden.device:
         raise ShapeMismatchError(f"inputs on different devices: hidden {hidden.device}, targets {targets.device}")

@@ -142,3 +142,31 @@ def test_vocab_tile_wider_than_a_triton_block_is_refused_before_any_launch(monke
         kernels.lm_head_logprob(hidden, weight, targets, backend="triton", vocab_tile=2 * limit)
     with pytest.raises(kernels.TPConfigError, match=match):
         kernels.logprob(hidden @ weight.T, targets, backend="triton", vocab_tile=2 * limit)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", ["triton", "aten"])
+def test_caller_owned_checks_raise_when_the_caller_reads_them(backend):
+    """A call given ``checks`` returns without waiting; the caller's raise_first() raises what the call would have,
+    in call order across calls, and a good call queues nothing that fails."""
+    hidden, weight, targets = good_inputs(vocab=300)
+    checks = kernels.ValueChecks()
+    kernels.lm_head_logprob(hidden, weight, targets, backend=backend, vocab_tile=64, checks=checks)
+    kernels.logprob(hidden @ weight.T, targets, backend=backend, vocab_tile=64, checks=checks)
+    checks.raise_first()  # nothing wrong: returns
+
+    bad = targets.clone()
+    bad[2] = 300
+    nan_hidden = hidden.clone()
+    nan_hidden[1, 0] = float("nan")
+    kernels.logprob(hidden @ weight.T, bad, backend=backend, vocab_tile=64, checks=checks)  # no raise yet
+    kernels.matmul(nan_hidden, weight, backend=backend, checks=checks)
+    with pytest.raises(kernels.TargetOutOfRangeError, match=r"target id 300 at row 2"):
+        checks.raise_first()
+    checks.raise_first()  # read once: the queue is empty again
+
+
+def test_checks_must_be_value_checks():
+    hidden, weight, targets = good_inputs()
+    with pytest.raises(kernels.KernelInputError, match=r"checks must be a kernels.ValueChecks or None, got list"):
+        kernels.matmul(hidden, weight, backend="aten", checks=[])

@@ -110,3 +110,25 @@ def test_one_rank_group_serves_many_calls_and_follows_a_new_weight(make_inputs):
         for name in ("logp", "lse"):
             index = kernels.first_bit_difference(getattr(want, name), getattr(got, name))
             assert index is None, f"{name} row {index} differs (seeds {first.seed}, {second.seed})"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA: the decode tiling is the compiled TMA path's")
+@pytest.mark.parametrize("rows", [1, 17, 64])
+def test_the_decode_tiling_gives_the_bits_of_the_shipped_tiling(rows, monkeypatch):
+    """Calls of at most DECODE_ROWS rows take other blocks; every output must keep its bits (docs/kernels.md)."""
+    from kernels import triton_backend
+    from kernels.backend import get_backend
+
+    triton = get_backend("triton")
+    assert rows <= triton_backend.DECODE_ROWS
+    seed = secrets.randbits(31)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    weight = (torch.randn(3 * 4096 + 77, 4096, device="cuda", generator=gen) / 64).bfloat16()
+    for scale in (1e-3, 1.0, 300.0):
+        hidden = (torch.randn(rows, 4096, device="cuda", generator=gen) * scale).bfloat16()
+        decode, _ = triton.invariant_matmul(hidden, weight, torch.bfloat16)
+        monkeypatch.setattr(triton_backend, "DECODE_ROWS", 0)
+        shipped, _ = triton.invariant_matmul(hidden, weight, torch.bfloat16)
+        monkeypatch.undo()
+        index = kernels.first_bit_difference(decode, shipped)
+        assert index is None, f"logit {index} differs between the tilings (rows {rows}, scale {scale}, seed {seed})"
