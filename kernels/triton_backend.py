@@ -88,7 +88,13 @@ GLOBAL_TILES = LogprobBackendCapability(
 
 
 def load_kernels(device: torch.device) -> tuple[ModuleType, bool]:
-    """Import the Triton kernels, or say why they cannot run on ``device``."""
+    """Import the Triton kernels, or say why they cannot run on ``device``; once per device type (every call
+    needs it, and the answer cannot change once triton is imported; a refusal is not remembered)."""
+    return kernels_for(device.type)
+
+
+@functools.cache
+def kernels_for(device_type: str) -> tuple[ModuleType, bool]:
     try:
         kernels_module = importlib.import_module(TRITON_KERNELS)
         from triton.runtime.interpreter import InterpretedFunction
@@ -101,13 +107,13 @@ def load_kernels(device: torch.device) -> tuple[ModuleType, bool]:
             "helpers (tl.cdiv, tl.sum) would run in the other mode; set TRITON_INTERPRET before triton is first "
             "imported in this process"
         )
-    if device.type == "cpu" and not interpreted:
+    if device_type == "cpu" and not interpreted:
         raise BackendUnavailableError(
             "the triton backend got CPU tensors but Triton is compiling for a GPU; set "
             "TRITON_INTERPRET=1 before triton is first imported to run its kernels on the CPU"
         )
-    if device.type not in ("cpu", "cuda"):
-        raise BackendUnavailableError(f"the triton backend runs on cpu or cuda, not {device.type!r}")
+    if device_type not in ("cpu", "cuda"):
+        raise BackendUnavailableError(f"the triton backend runs on cpu or cuda, not {device_type!r}")
     return kernels_module, interpreted
 
 
