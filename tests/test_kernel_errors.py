@@ -167,6 +167,6 @@ def test_caller_owned_checks_raise_when_the_caller_reads_them(backend):
 
 
 def test_checks_must_be_value_checks():
-    hidden, weight, targets = good_inputs()
+    hidden, weight, _ = good_inputs()
     with pytest.raises(kernels.KernelInputError, match=r"checks must be a kernels.ValueChecks or None, got list"):
         kernels.matmul(hidden, weight, backend="aten", checks=[])
