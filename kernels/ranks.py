@@ -17,7 +17,7 @@ from kernels.backend import LogprobBackend, ShardPartials, WholeVocab
 from kernels.errors import NonFiniteOutputError, TPConfigError
 from kernels.provenance import NodeProvenance, Provenance, across_ranks, call_node
 from kernels.sharding import ShardingSpec
-from kernels.validation import IGNORE_INDEX, ValueChecks, dtype_name, explain_target_range, nonfinite_screen
+from kernels.validation import IGNORE_INDEX, ValueChecks, dtype_name, explain_target_range, screen_sum
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def require_finite(
     kernel names a non-finite input there). Every input is checked finite too, so any non-finite output is an
     overflow; [T] is cheap to scan."""
     explain = functools.partial(explain_nonfinite_row, result, execution_dtype, first)
-    checks.add(nonfinite_screen(result.lse + result.logp), explain)
+    checks.add_sum(screen_sum(result.lse + result.logp), explain)
 
 
 def require_status(

@@ -8,6 +8,7 @@ and reads every verdict at once, after its kernels are queued and before it retu
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 from collections.abc import Callable
 
@@ -33,27 +34,32 @@ class ValueChecks:
     """Checks of input and output values queued on the device, read in one device-to-host copy.
 
     ``add(failed, explain)`` queues a 0-dim tensor (bool, or a kernel's integer status word) that is nonzero when
-    something may be wrong and the function that looks closer: it raises the typed error naming the value, or
-    returns when the screen was a false alarm (a sum of finite values can overflow). ``raise_first()`` waits for the
-    device once and runs the explanation of the first failed check, in the order they were added, so a call raises
-    what up-front checks would have raised.
+    something may be wrong, and ``add_sum(total, explain)`` a 0-dim floating sum that is NaN or ±Inf then
+    (``screen_sum``); ``explain`` looks closer: it raises the typed error naming the value, or returns when the
+    screen was a false alarm (a sum of finite values can overflow). ``raise_first()`` waits for the device once and
+    runs the explanation of the first failed check, in the order they were added, so a call raises what up-front
+    checks would have raised.
     """
 
     def __init__(self) -> None:
-        self._pending: list[tuple[torch.Tensor, Callable[[], None]]] = []
+        self._pending: list[tuple[torch.Tensor, Callable[[], None], bool]] = []
 
     def add(self, failed: torch.Tensor, explain: Callable[[], None]) -> None:
-        self._pending.append((failed, explain))
+        self._pending.append((failed, explain, False))
+
+    def add_sum(self, total: torch.Tensor, explain: Callable[[], None]) -> None:
+        self._pending.append((total, explain, True))
 
     def raise_first(self) -> None:
         pending, self._pending = self._pending, []
         if not pending:
             return
-        flags = [failed for failed, _ in pending]
-        # The call's one wait for the device; a lone verdict is copied as it is, without a stack to launch.
-        verdicts = flags[0].reshape(1).tolist() if len(flags) == 1 else torch.stack(flags).tolist()
-        for failed, (_, explain) in zip(verdicts, pending, strict=True):
-            if failed:
+        values = [value for value, _, _ in pending]
+        # The call's one wait for the device; a lone value is copied as it is, without a stack to launch. A stack
+        # promotes bools, status words and sums to one floating dtype, which keeps each verdict.
+        read = values[0].reshape(1).tolist() if len(values) == 1 else torch.stack(values).tolist()
+        for value, (_, explain, is_sum) in zip(read, pending, strict=True):
+            if (not math.isfinite(value)) if is_sum else value:
                 explain()
 
 
@@ -132,20 +138,20 @@ def explain_target_range(targets: torch.Tensor, bad: torch.Tensor, vocab_size: i
     )
 
 
-def nonfinite_screen(tensor: torch.Tensor) -> torch.Tensor:
-    """A 0-dim bool tensor, true when ``tensor`` may hold a NaN or ±Inf: its sum, accumulated in fp32 (float64 for
-    float64), is not finite. It reads the tensor once without a temporary (``torch.isfinite`` of a bf16 [T, H]
-    allocates 2.5x its size); finite values can also give a non-finite sum, by overflow, so a true screen is only a
-    reason to look closer."""
-    return ~torch.isfinite(tensor.sum(dtype=torch.float64 if tensor.dtype == torch.float64 else torch.float32))
+def screen_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """The 0-dim sum of ``tensor``, accumulated in fp32 (float64 for float64): not finite when ``tensor`` may hold a
+    NaN or ±Inf. One kernel that reads the tensor once without a temporary (``torch.isfinite`` of a bf16 [T, H]
+    allocates 2.5x its size); finite values can also give a non-finite sum, by overflow, so a non-finite screen is
+    only a reason to look closer."""
+    return tensor.sum(dtype=torch.float64 if tensor.dtype == torch.float64 else torch.float32)
 
 
 def check_finite(name: str, tensor: torch.Tensor, checks: ValueChecks | None = None) -> None:
     """NonFiniteInputError naming the first NaN or ±Inf of ``tensor``: at once, or queued in ``checks``."""
     explain = functools.partial(explain_nonfinite, name, tensor)
     if checks is not None:
-        checks.add(nonfinite_screen(tensor), explain)
-    elif bool(nonfinite_screen(tensor)):
+        checks.add_sum(screen_sum(tensor), explain)
+    elif not math.isfinite(screen_sum(tensor).item()):
         explain()
 
 
