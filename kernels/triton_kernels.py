@@ -242,22 +242,34 @@ def load_partials(max_ptr, sum_ptr, at, live):
 
 
 @triton.jit
+def load_eight(max_ptr, sum_ptr, base, live, stride_tile, first, last):
+    """The partials of tiles first .. first + 7, each tile index clamped to ``last`` (such a load is never merged)."""
+    m0, s0 = load_partials(max_ptr, sum_ptr, base + tl.minimum(first, last) * stride_tile, live)
+    m1, s1 = load_partials(max_ptr, sum_ptr, base + tl.minimum(first + 1, last) * stride_tile, live)
+    m2, s2 = load_partials(max_ptr, sum_ptr, base + tl.minimum(first + 2, last) * stride_tile, live)
+    m3, s3 = load_partials(max_ptr, sum_ptr, base + tl.minimum(first + 3, last) * stride_tile, live)
+    m4, s4 = load_partials(max_ptr, sum_ptr, base + tl.minimum(first + 4, last) * stride_tile, live)
+    m5, s5 = load_partials(max_ptr, sum_ptr, base + tl.minimum(first + 5, last) * stride_tile, live)
+    m6, s6 = load_partials(max_ptr, sum_ptr, base + tl.minimum(first + 6, last) * stride_tile, live)
+    m7, s7 = load_partials(max_ptr, sum_ptr, base + tl.minimum(first + 7, last) * stride_tile, live)
+    return m0, s0, m1, s1, m2, s2, m3, s3, m4, s4, m5, s5, m6, s6, m7, s7
+
+
+@triton.jit
 def merge_tiles(max_ptr, sum_ptr, base, live, stride_tile, n_tiles: tl.constexpr, BLOCK: tl.constexpr):
     """lse of the rows whose partials of tile t sit at ``base + t * stride_tile``, the tiles merged strictly left
-    to right. Eight tiles' loads are issued before their merges, which still run one tile at a time: the loads'
-    latency is paid once per eight tiles instead of once per tile. Each row's arithmetic is its own, so the
-    rows per program never change its bits."""
+    to right, one tile at a time. The loads run eight tiles ahead of the merges: the next eight tiles' loads are
+    issued before this eight's merges, so their latency hides behind the merge chain instead of adding to it. Each
+    row's arithmetic is its own, so the rows per program never change its bits."""
     run_max = tl.full((BLOCK,), float("-inf"), tl.float32)
     run_sum = tl.zeros((BLOCK,), tl.float32)
+    m0, s0, m1, s1, m2, s2, m3, s3, m4, s4, m5, s5, m6, s6, m7, s7 = load_eight(
+        max_ptr, sum_ptr, base, live, stride_tile, 0, n_tiles - 1
+    )
     for t in range(0, n_tiles - n_tiles % 8, 8):
-        m0, s0 = load_partials(max_ptr, sum_ptr, base + t * stride_tile, live)
-        m1, s1 = load_partials(max_ptr, sum_ptr, base + (t + 1) * stride_tile, live)
-        m2, s2 = load_partials(max_ptr, sum_ptr, base + (t + 2) * stride_tile, live)
-        m3, s3 = load_partials(max_ptr, sum_ptr, base + (t + 3) * stride_tile, live)
-        m4, s4 = load_partials(max_ptr, sum_ptr, base + (t + 4) * stride_tile, live)
-        m5, s5 = load_partials(max_ptr, sum_ptr, base + (t + 5) * stride_tile, live)
-        m6, s6 = load_partials(max_ptr, sum_ptr, base + (t + 6) * stride_tile, live)
-        m7, s7 = load_partials(max_ptr, sum_ptr, base + (t + 7) * stride_tile, live)
+        a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7 = load_eight(
+            max_ptr, sum_ptr, base, live, stride_tile, t + 8, n_tiles - 1
+        )
         run_max, run_sum = merge_step(run_max, run_sum, m0, s0)
         run_max, run_sum = merge_step(run_max, run_sum, m1, s1)
         run_max, run_sum = merge_step(run_max, run_sum, m2, s2)
@@ -266,6 +278,9 @@ def merge_tiles(max_ptr, sum_ptr, base, live, stride_tile, n_tiles: tl.constexpr
         run_max, run_sum = merge_step(run_max, run_sum, m5, s5)
         run_max, run_sum = merge_step(run_max, run_sum, m6, s6)
         run_max, run_sum = merge_step(run_max, run_sum, m7, s7)
+        m0, s0, m1, s1, m2, s2, m3, s3, m4, s4, m5, s5, m6, s6, m7, s7 = (
+            a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7
+        )  # fmt: skip
     for t in range(n_tiles - n_tiles % 8, n_tiles):
         m, s = load_partials(max_ptr, sum_ptr, base + t * stride_tile, live)
         run_max, run_sum = merge_step(run_max, run_sum, m, s)
