@@ -278,7 +278,7 @@ class TritonBackend:
         with recording_launches() as partial_launches:  # the logprob node's own record
             maxes, sums = self.tile_partials(kernels_module, interpreted, logits, sharding)
         # Allocated after the first launch: at training sizes that host work then runs beside the partials kernel
-        # instead of delaying it (H200, T = 16384: allocating first cost 0.1 - 0.2 ms of kernels.logprob).
+        # instead of delaying it (H200, T = 16384: the run that allocated first measured 1.44 ms against 1.27).
         rows, vocab = logits.shape
         out = torch.empty((2, rows), dtype=torch.float32, device=logits.device)
         active = torch.empty((rows,), dtype=torch.bool, device=logits.device)
