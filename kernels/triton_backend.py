@@ -71,6 +71,7 @@ PARTIAL_TILES = 8  # tiles per program: fewer, longer programs; no effect on the
 PARTIAL_PROGRAMS = 8192  # fewer tiles per program until the tile-partials launch has this many programs
 GRADIENT_CHUNK_COLUMNS = 4096  # vocab columns whose d logits [T, chunk] the backward holds at once
 INTERPRETER_PARTIAL_ROWS = 64  # the interpreter pays per program, not per row
+INTERPRETER_PARTIAL_TILES = 16  # likewise: fewer, longer programs than compiled (PARTIAL_TILES)
 MERGE_ROWS = 128  # rows per program of the ordered merge
 TARGET_ROWS = 128  # rows per program of the target-logit copy
 TRITON_KERNELS = "kernels.triton_kernels"  # imported on first use: TRITON_INTERPRET is read at decoration
@@ -244,7 +245,7 @@ class TritonBackend:
         maxes, sums = scratch[0].T, scratch[1].T
         rows_per_program = partial_rows(interpreted)
         blocks = triton_cdiv(rows, rows_per_program)
-        tiles = min(PARTIAL_TILES, n_tiles) if interpreted else partial_tiles(blocks, n_tiles)
+        tiles = min(INTERPRETER_PARTIAL_TILES, n_tiles) if interpreted else partial_tiles(blocks, n_tiles)
         launch_triton(
             kernels_module.tile_partials_kernel, (blocks, triton_cdiv(n_tiles, tiles)),
             logits, maxes, sums, rows, n_real, logits.stride(0), n_tiles, *maxes.stride(),
