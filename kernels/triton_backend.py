@@ -57,7 +57,6 @@ FUSED_TILING = {
 }
 FUSED_TMA = True  # use fused_head_tma_kernel where the GPU and the operands allow it (tma_ready)
 STORE_BY_TMA = True  # the TMA matmul writes a bf16 output through a descriptor (tma_matmul)
-MATMUL_PROGRAMS_PER_SM = 2  # persistent programs of the TMA matmul per multiprocessor; 0: one program per tile
 FUSED_PROGRAMS_PER_SM = 2  # persistent programs of the TMA kernel per multiprocessor (H200: 2 beat 1)
 FUSED_MAX_TILE = 256  # compiled: a 128 x 256 fp32 accumulator is what one program's registers hold
 INTERPRETER_FUSED_ROWS = 64
@@ -422,8 +421,8 @@ def tma_matmul(kernels_module, a, b, c, tiling, block_k, *, a_by_k, b_by_k, accu
     a_block = [block_k, tiling.block_m] if a_by_k else [tiling.block_m, block_k]
     b_block = [block_k, tiling.block_n] if b_by_k else [tiling.block_n, block_k]
     tiles = triton_cdiv(rows, tiling.block_m) * triton_cdiv(cols, tiling.block_n)
-    persistent = c.element_size() < 4 and MATMUL_PROGRAMS_PER_SM > 0
-    programs = persistent_programs(tiles, c.device, MATMUL_PROGRAMS_PER_SM) if persistent else 0
+    persistent = c.element_size() < 4
+    programs = persistent_programs(tiles, c.device) if persistent else 0
     # A bf16 output leaves by TMA: masked stores against a runtime width cannot be vectorized (0.75x cuBLAS).
     store_by_tma = STORE_BY_TMA and c.dtype == torch.bfloat16 and not accumulate and tma_aligned(c)
     c_desc = TensorDescriptor.from_tensor(c, [tiling.block_m, tiling.block_n]) if store_by_tma else None
@@ -464,10 +463,10 @@ def tma_aligned(tensor: torch.Tensor) -> bool:
     )
 
 
-def persistent_programs(tiles: int, device: torch.device, per_sm: int | None = None) -> int:
-    """How many persistent programs walk ``tiles`` output blocks: ``per_sm`` (default FUSED_PROGRAMS_PER_SM) per
-    multiprocessor, at most one per block. Only which program takes a block depends on it, never its arithmetic."""
-    return min(tiles, (FUSED_PROGRAMS_PER_SM if per_sm is None else per_sm) * multiprocessors(device))
+def persistent_programs(tiles: int, device: torch.device) -> int:
+    """How many persistent programs walk ``tiles`` output blocks: FUSED_PROGRAMS_PER_SM per multiprocessor, at
+    most one per block. Only which program takes a block depends on it, never a block's arithmetic."""
+    return min(tiles, FUSED_PROGRAMS_PER_SM * multiprocessors(device))
 
 
 @functools.cache
