@@ -159,20 +159,22 @@ def tile_partials(x, lowest):
     return m, tl.where(lowest == float("-inf"), float("nan"), s)
 
 
-@triton.jit
-def store_tile_partials(
-    logits_ptr, max_ptr, sum_ptr, rows, T, n_real, stride_t, n_tiles, stride_out_row, stride_out_tile,
-    TILE: tl.constexpr, TILES: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "n_real", "n_tiles"])
+def tile_partials_kernel(
+    logits_ptr, max_ptr, sum_ptr, T, n_real, stride_t, n_tiles, stride_out_row, stride_out_tile,
+    ROWS: tl.constexpr, TILE: tl.constexpr, TILES: tl.constexpr,
 ):  # fmt: skip
-    """The partials of ``rows`` over this program's TILES consecutive tiles (program_id(1) * TILES onwards), one
-    tile at a time, stored at ``row * stride_out_row + tile * stride_out_tile``. Rows past T read row T - 1 and
-    store nothing, so no row mask narrows the loads either.
+    """Per (row, tile) of one shard's logits: fp32 max and sum(exp(x - max)) over TILE columns (``tile_partials``),
+    stored at ``row * stride_out_row + tile * stride_out_tile``.
 
-    A program whose tiles are all wholly inside the real columns loads them without a mask, so the loads stay as
-    wide as the alignment allows, and issues each tile's load before the previous tile's reduction (two tiles in
-    flight per warp). Otherwise (a shard's last program) each tile is loaded masked. Which path a tile takes depends
-    on its global position only (shards start on tile boundaries), never on the call's rows, and both give a tile
-    the same arithmetic (``tile_partials``)."""
+    Each program takes ROWS rows and TILES consecutive tiles, one tile at a time: how many it takes changes the
+    number of programs, never a tile's arithmetic. Rows past T read row T - 1 and store nothing, so no row mask
+    narrows the loads either. A program whose tiles are all wholly inside the real columns loads them without a
+    mask, so the loads stay as wide as the alignment allows, and issues each tile's load before the previous tile's
+    reduction (two tiles in flight per warp). Otherwise (a shard's last program) each tile is loaded masked. Which
+    path a tile takes depends on its global position only (shards start on tile boundaries), never on the call's
+    rows, and both give a tile the same arithmetic."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     source = tl.minimum(rows, T - 1).to(tl.int64)
     out_rows = rows.to(tl.int64) * stride_out_row
     first = tl.program_id(1) * TILES
@@ -197,22 +199,6 @@ def store_tile_partials(
             keep = rows < tl.where(tile < n_tiles, T, 0)  # the last program's steps past n_tiles store nothing
             tl.store(max_ptr + out, m, mask=keep)
             tl.store(sum_ptr + out, s, mask=keep)
-
-
-@triton.jit(do_not_specialize=["T", "n_real", "n_tiles"])
-def tile_partials_kernel(
-    logits_ptr, max_ptr, sum_ptr, T, n_real, stride_t, n_tiles, stride_out_row, stride_out_tile,
-    ROWS: tl.constexpr, TILE: tl.constexpr, TILES: tl.constexpr,
-):  # fmt: skip
-    """Per (row, tile) of one shard's logits: fp32 max and sum(exp(x - max)) over TILE columns (``tile_partials``).
-
-    Each program takes ROWS rows and TILES consecutive tiles: how many it takes changes the number of programs,
-    never a tile's arithmetic."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    store_tile_partials(
-        logits_ptr, max_ptr, sum_ptr, rows, T, n_real, stride_t, n_tiles, stride_out_row, stride_out_tile,
-        TILE, TILES,
-    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["T", "n_real"])
