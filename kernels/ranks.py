@@ -17,7 +17,14 @@ from kernels.backend import LogprobBackend, ShardPartials, WholeVocab
 from kernels.errors import NonFiniteOutputError, TPConfigError
 from kernels.provenance import NodeProvenance, Provenance, across_ranks, call_node
 from kernels.sharding import ShardingSpec
-from kernels.validation import IGNORE_INDEX, ValueChecks, dtype_name, explain_target_range, screen_sum
+from kernels.validation import (
+    IGNORE_INDEX,
+    ValueChecks,
+    dtype_name,
+    explain_target_range,
+    out_of_range,
+    screen_sum,
+)
 
 
 @dataclass(frozen=True)
@@ -98,8 +105,7 @@ def explain_status(
 ) -> None:
     bits = int(status)
     if bits & 1:
-        bad = ((targets < 0) | (targets >= vocab_size)) & (targets != IGNORE_INDEX)
-        explain_target_range(targets, bad, vocab_size)
+        explain_target_range(targets, out_of_range(targets, vocab_size), vocab_size)
     if bits & 2:
         explain_nonfinite_row(result, execution_dtype, first)
 

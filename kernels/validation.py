@@ -123,9 +123,14 @@ def check_target_range(targets: torch.Tensor, vocab_size: int, checks: ValueChec
 
     Returns the targets with any other value replaced by IGNORE_INDEX: the kernels launched before the verdict is
     read then never index with it, and the call raises ``TargetOutOfRangeError`` before returning anything."""
-    bad = ((targets < 0) | (targets >= vocab_size)) & (targets != IGNORE_INDEX)
+    bad = out_of_range(targets, vocab_size)
     checks.add(bad.any(), functools.partial(explain_target_range, targets, bad, vocab_size))
     return torch.where(bad, IGNORE_INDEX, targets)
+
+
+def out_of_range(targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[T] bool: the target is outside [0, vocab_size) and is not IGNORE_INDEX."""
+    return ((targets < 0) | (targets >= vocab_size)) & (targets != IGNORE_INDEX)
 
 
 def explain_target_range(targets: torch.Tensor, bad: torch.Tensor, vocab_size: int) -> None:
