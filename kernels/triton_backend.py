@@ -256,7 +256,6 @@ class TritonBackend:
         self, logits: torch.Tensor, local_targets: torch.Tensor, owned: torch.Tensor, sharding: ShardingSpec
     ) -> tuple[ShardPartials, NodeProvenance]:
         kernels_module, interpreted = load_kernels(logits.device)
-        logits = aligned_rows(logits)
         rows, n_real = logits.shape
         maxes, sums = self.tile_partials(kernels_module, interpreted, logits, sharding)
         target = torch.empty((rows,), dtype=torch.float32, device=logits.device)
