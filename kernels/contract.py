@@ -52,7 +52,7 @@ class DeterminismScope(StrEnum):
 class MergeOrder(StrEnum):
     """The structure of the partials the TP merge combines."""
 
-    GLOBAL_TILE = "global_tile"  # one partial per vocab_tile, merged left to right over the whole vocab
+    GLOBAL_TILE = "global_tile"  # one partial per vocab_tile of the whole vocab, merged the same for every grouping
     RANK_SHARD = "rank_shard"  # one partial (or a backend-chosen split) per rank, merged Megatron-style
 
 

@@ -71,14 +71,16 @@ PARTIAL_PROGRAMS = 8192  # fewer tiles per program until the tile-partials launc
 GRADIENT_CHUNK_COLUMNS = 4096  # vocab columns whose d logits [T, chunk] the backward holds at once
 INTERPRETER_PARTIAL_ROWS = 64  # the interpreter pays per program, not per row
 INTERPRETER_PARTIAL_TILES = 16  # likewise: fewer, longer programs than compiled (PARTIAL_TILES)
-MERGE_ROWS = 128  # rows per program of the ordered merge
+MERGE_ROWS = 16  # rows per program of the merge (any count gives the same bits: docs/kernels.md)
+INTERPRETER_MERGE_ROWS = 128  # the interpreter pays per program
+MERGE_CHUNK = 128  # tiles the merge loads at once per row
 TARGET_ROWS = 128  # rows per program of the target-logit copy
 TRITON_KERNELS = "kernels.triton_kernels"  # imported on first use: TRITON_INTERPRET is read at decoration
 PARTIALS_KERNELS = ("tile_partials_kernel", "target_logit_kernel")  # a shard's partials from given logits
-FINISH_KERNELS = ("ordered_merge_kernel", "whole_vocab_finish_kernel")  # the merge: of ranks, or TP = 1's own
+FINISH_KERNELS = ("tile_merge_kernel", "whole_vocab_finish_kernel")  # the merge: of ranks, or TP = 1's own
 
 
-# Both Triton backends: fixed global vocab tiles merged left to right, the same bits for every TP degree (checked
+# Both Triton backends: fixed global vocab tiles merged exactly, the same bits for every TP degree (checked
 # bitwise for tp = 2, 4, 8 against tp = 1; docs/dispatch.md). On cpu they run in Triton's interpreter.
 GLOBAL_TILES = LogprobBackendCapability(
     implementation_kind=ImplementationKind.PRODUCTION,
@@ -283,11 +285,12 @@ class TritonBackend:
         active = torch.empty((rows,), dtype=torch.bool, device=logits.device)
         owner = torch.empty((rows,), dtype=torch.int64, device=logits.device)
         status = torch.zeros((), dtype=torch.int32, device=logits.device)
+        n_tiles, merge_rows = maxes.shape[1], merge_block(interpreted)
         launch_triton(
-            kernels_module.whole_vocab_finish_kernel, (triton_cdiv(rows, MERGE_ROWS),),
+            kernels_module.whole_vocab_finish_kernel, (triton_cdiv(rows, merge_rows),),
             logits, targets, maxes, sums, status, out[0], out[1], active.view(torch.uint8), owner,
-            rows, vocab, logits.stride(0), *maxes.stride(), n_tiles=maxes.shape[1], BLOCK=MERGE_ROWS,
-            IGNORE=IGNORE_INDEX,
+            rows, vocab, logits.stride(0), *maxes.stride(), n_tiles=n_tiles, BLOCK=merge_rows,
+            CHUNK=merge_chunk(n_tiles), IGNORE=IGNORE_INDEX,
         )  # fmt: skip
         whole = WholeVocab(logp=out[0], lse=out[1], active=active, owner_rank=owner, status=status)
         partials = observe("logprob", self.id, sums, interpreted=interpreted)
@@ -303,9 +306,9 @@ class TritonBackend:
         kernels_module, interpreted = load_kernels(maxes.device)
         rows, n_tiles = maxes.shape
         lse = torch.empty((rows,), dtype=torch.float32, device=maxes.device)
-        grid = (triton_cdiv(rows, MERGE_ROWS),)
-        launch_triton(kernels_module.ordered_merge_kernel, grid, maxes, sums, lse, rows, *maxes.stride(), n_tiles,
-                      BLOCK=MERGE_ROWS)  # fmt: skip
+        merge_rows = merge_block(interpreted)
+        launch_triton(kernels_module.tile_merge_kernel, (triton_cdiv(rows, merge_rows),), maxes, sums, lse, rows,
+                      *maxes.stride(), n_tiles, BLOCK=merge_rows, CHUNK=merge_chunk(n_tiles))  # fmt: skip
         return lse, observe("tp_merge", self.id, lse, tiles=n_tiles, interpreted=interpreted)
 
 
@@ -486,6 +489,16 @@ def partial_tiles(blocks: int, n_tiles: int) -> int:
     while tiles > 1 and blocks * triton_cdiv(n_tiles, tiles) < PARTIAL_PROGRAMS:
         tiles //= 2
     return max(1, min(tiles, n_tiles))
+
+
+def merge_block(interpreted: bool) -> int:
+    """Rows per program of the merge kernels: any count gives the same bits (``merge_tiles`` is exact)."""
+    return INTERPRETER_MERGE_ROWS if interpreted else MERGE_ROWS
+
+
+def merge_chunk(n_tiles: int) -> int:
+    """Tiles the merge loads at once per row: MERGE_CHUNK, or all of a narrower vocab's (a power of two)."""
+    return min(MERGE_CHUNK, 1 << (n_tiles - 1).bit_length())
 
 
 def partial_rows(interpreted: bool) -> int:

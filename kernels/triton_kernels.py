@@ -213,89 +213,69 @@ def target_logit_kernel(logits_ptr, target_ptr, owned_ptr, out_ptr, T, n_real, s
     tl.store(out_ptr + rows, widen_to_fp32(x), mask=live)
 
 
-@triton.jit
-def merge_step(run_max, run_sum, m, s):
-    """The running (max, sumexp) of the tiles so far, with the next tile's (m, s) merged in on its right."""
-    lo = tl.minimum(run_max, m)
-    hi = tl.maximum(run_max, m)
-    scale = tl.where(lo == float("-inf"), 0.0, tl.exp(lo - hi))
-    return hi, tl.where(m > run_max, run_sum * scale + s, run_sum + s * scale)
+FIXED_POINT: tl.constexpr = tl.constexpr(2.0**32)
 
 
 @triton.jit
-def load_partials(max_ptr, sum_ptr, at, live):
-    return tl.load(max_ptr + at, mask=live, other=float("-inf")), tl.load(sum_ptr + at, mask=live, other=0.0)
+def load_partials(max_ptr, sum_ptr, at, keep):
+    return tl.load(max_ptr + at, mask=keep, other=float("-inf")), tl.load(sum_ptr + at, mask=keep, other=0.0)
 
 
 @triton.jit
-def load_eight(max_ptr, sum_ptr, base, live, stride_tile, first, last):
-    """The partials of tiles first .. first + 7, each tile index clamped to ``last`` (such a load is never merged)."""
-    m0, s0 = load_partials(max_ptr, sum_ptr, base + tl.minimum(first, last) * stride_tile, live)
-    m1, s1 = load_partials(max_ptr, sum_ptr, base + tl.minimum(first + 1, last) * stride_tile, live)
-    m2, s2 = load_partials(max_ptr, sum_ptr, base + tl.minimum(first + 2, last) * stride_tile, live)
-    m3, s3 = load_partials(max_ptr, sum_ptr, base + tl.minimum(first + 3, last) * stride_tile, live)
-    m4, s4 = load_partials(max_ptr, sum_ptr, base + tl.minimum(first + 4, last) * stride_tile, live)
-    m5, s5 = load_partials(max_ptr, sum_ptr, base + tl.minimum(first + 5, last) * stride_tile, live)
-    m6, s6 = load_partials(max_ptr, sum_ptr, base + tl.minimum(first + 6, last) * stride_tile, live)
-    m7, s7 = load_partials(max_ptr, sum_ptr, base + tl.minimum(first + 7, last) * stride_tile, live)
-    return m0, s0, m1, s1, m2, s2, m3, s3, m4, s4, m5, s5, m6, s6, m7, s7
+def merge_tiles(max_ptr, sum_ptr, base, live, stride_tile, n_tiles: tl.constexpr, CHUNK: tl.constexpr):
+    """lse of the rows whose partials of tile t sit at ``base + t * stride_tile`` (``base`` and ``live``: [rows]).
 
-
-@triton.jit
-def merge_tiles(max_ptr, sum_ptr, base, live, stride_tile, n_tiles: tl.constexpr, BLOCK: tl.constexpr):
-    """lse of the rows whose partials of tile t sit at ``base + t * stride_tile``, the tiles merged strictly left
-    to right, one tile at a time. The loads run eight tiles ahead of the merges: the next eight tiles' loads are
-    issued before this eight's merges, so their latency hides behind the merge chain instead of adding to it. Each
-    row's arithmetic is its own, so the rows per program never change its bits."""
-    run_max = tl.full((BLOCK,), float("-inf"), tl.float32)
-    run_sum = tl.zeros((BLOCK,), tl.float32)
-    m0, s0, m1, s1, m2, s2, m3, s3, m4, s4, m5, s5, m6, s6, m7, s7 = load_eight(
-        max_ptr, sum_ptr, base, live, stride_tile, 0, n_tiles - 1
-    )
-    for t in range(0, n_tiles - n_tiles % 8, 8):
-        a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7 = load_eight(
-            max_ptr, sum_ptr, base, live, stride_tile, t + 8, n_tiles - 1
-        )
-        run_max, run_sum = merge_step(run_max, run_sum, m0, s0)
-        run_max, run_sum = merge_step(run_max, run_sum, m1, s1)
-        run_max, run_sum = merge_step(run_max, run_sum, m2, s2)
-        run_max, run_sum = merge_step(run_max, run_sum, m3, s3)
-        run_max, run_sum = merge_step(run_max, run_sum, m4, s4)
-        run_max, run_sum = merge_step(run_max, run_sum, m5, s5)
-        run_max, run_sum = merge_step(run_max, run_sum, m6, s6)
-        run_max, run_sum = merge_step(run_max, run_sum, m7, s7)
-        m0, s0, m1, s1, m2, s2, m3, s3, m4, s4, m5, s5, m6, s6, m7, s7 = (
-            a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7
-        )  # fmt: skip
-    for t in range(n_tiles - n_tiles % 8, n_tiles):
-        m, s = load_partials(max_ptr, sum_ptr, base + t * stride_tile, live)
-        run_max, run_sum = merge_step(run_max, run_sum, m, s)
-    return run_max + tl.log(run_sum)
+    Exact, so no order to keep: the row's max is the max of its tile maxes, and each tile's sumexp, rescaled to it,
+    is summed in fixed point (int64 in units of 2**-32: an integer sum gives the same bits in any order and any
+    grouping). How many rows and tiles a program loads at once therefore never changes a bit, and neither does the
+    TP degree: every rank's tiles reach the same sum. A tile rescaled to the max is at most its width, so the sum
+    stays below 2**63 for any vocab below 2**31 columns; truncating each tile to 2**-32 moves a sum of at least 1
+    (the max's own tile) by under n_tiles * 2**-32. A NaN sumexp (``tile_partials``: a NaN or infinite logit)
+    makes the lse NaN. The tiles are read in chunks of CHUNK: once for the max, again for the sum."""
+    top = tl.full(live.shape, float("-inf"), tl.float32)
+    poisoned = tl.zeros(live.shape, tl.int32)
+    for first in range(0, n_tiles, CHUNK):
+        tiles = first + tl.arange(0, CHUNK)
+        keep = (tiles[:, None] < n_tiles) & live[None, :]
+        m, s = load_partials(max_ptr, sum_ptr, base[None, :] + tiles[:, None].to(tl.int64) * stride_tile, keep)
+        top = tl.maximum(top, tl.max(m, axis=0))
+        poisoned = poisoned | tl.max((s != s).to(tl.int32), axis=0)
+    shift = tl.where(top == float("-inf"), 0.0, top)  # rows past T: exp(-inf - 0) = 0, not NaN
+    total = tl.zeros(live.shape, tl.int64)
+    for first in range(0, n_tiles, CHUNK):
+        tiles = first + tl.arange(0, CHUNK)
+        keep = (tiles[:, None] < n_tiles) & live[None, :]
+        m, s = load_partials(max_ptr, sum_ptr, base[None, :] + tiles[:, None].to(tl.int64) * stride_tile, keep)
+        rescaled = s * tl.math.exp2((m - shift[None, :]) * LOG2E)
+        total += tl.sum(tl.where(rescaled == rescaled, rescaled * FIXED_POINT, 0.0).to(tl.int64), axis=0)
+    lse = top + tl.log(tl.maximum(total, 1).to(tl.float32) / FIXED_POINT)  # rows past T: 0
+    return tl.where(poisoned != 0, float("nan"), lse)
 
 
 @triton.jit(do_not_specialize=["T"])
-def ordered_merge_kernel(max_ptr, sum_ptr, lse_ptr, T, stride_row, stride_tile, n_tiles: tl.constexpr,
-                         BLOCK: tl.constexpr):  # fmt: skip
+def tile_merge_kernel(max_ptr, sum_ptr, lse_ptr, T, stride_row, stride_tile, n_tiles: tl.constexpr,
+                         BLOCK: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
     """lse[T] from per-tile partials (row, tile) at ``row * stride_row + tile * stride_tile`` (``merge_tiles``)."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = rows < T
-    lse = merge_tiles(max_ptr, sum_ptr, rows.to(tl.int64) * stride_row, live, stride_tile, n_tiles, BLOCK)
+    lse = merge_tiles(max_ptr, sum_ptr, rows.to(tl.int64) * stride_row, live, stride_tile, n_tiles, CHUNK)
     tl.store(lse_ptr + rows, lse, mask=live)
 
 
 @triton.jit(do_not_specialize=["T", "n_real"])
 def whole_vocab_finish_kernel(
     logits_ptr, target_ptr, max_ptr, sum_ptr, status_ptr, logp_ptr, lse_ptr, active_ptr, owner_ptr,
-    T, n_real, stride_t, stride_row, stride_tile, n_tiles: tl.constexpr, BLOCK: tl.constexpr, IGNORE: tl.constexpr,
+    T, n_real, stride_t, stride_row, stride_tile, n_tiles: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+    IGNORE: tl.constexpr,
 ):  # fmt: skip
-    """TP = 1: the tile partials of logits[T, n_real] (as ``ordered_merge_kernel`` reads them) and targets[T] ->
+    """TP = 1: the tile partials of logits[T, n_real] (as ``tile_merge_kernel`` reads them) and targets[T] ->
     lse (``merge_tiles``), logp = logit[target] - lse (0 where the target is IGNORE), active and owner rank (0, or
     -1 where inactive): the bits of the partials-merge-finish path at every TP degree, in one launch. Sets bit 0 of
     ``status_ptr`` for a target outside [0, n_real) that is not IGNORE (read as inactive here) and bit 1 for a
     non-finite lse or logp; the caller reads it to raise."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = rows < T
-    lse = merge_tiles(max_ptr, sum_ptr, rows.to(tl.int64) * stride_row, live, stride_tile, n_tiles, BLOCK)
+    lse = merge_tiles(max_ptr, sum_ptr, rows.to(tl.int64) * stride_row, live, stride_tile, n_tiles, CHUNK)
     target = tl.load(target_ptr + rows, mask=live, other=IGNORE)
     active = target != IGNORE
     valid = (target >= 0) & (target < n_real)

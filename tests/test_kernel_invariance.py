@@ -75,6 +75,41 @@ def test_triton_is_bitwise_tp_invariant(backend, dtype, triton_device, make_inpu
         assert sharded.provenance.nodes["tp_merge"].config["tiles"] == padded // TILE
 
 
+def test_the_tile_merge_gives_one_answer_in_any_order_and_grouping(triton_device, monkeypatch):
+    """The merge is exact (docs/kernels.md): tiles in another order, split over ranks, or loaded in other blocks
+    give the same lse bits, and the lse is float64's to within 2 ulp."""
+    from kernels import triton_backend
+    from kernels.backend import ShardPartials, get_backend
+
+    seed = secrets.randbits(31)
+    gen = torch.Generator().manual_seed(seed)
+    rows, n_tiles = 37, 150
+    maxes = torch.randn(rows, n_tiles, generator=gen, dtype=torch.float64) * 12
+    sums = 1 + torch.rand(rows, n_tiles, generator=gen, dtype=torch.float64) * 1023
+    maxes[:, -3:], sums[:, -3:] = float("-inf"), 0.0  # all-padding tiles
+    want = torch.logsumexp(maxes.float().double() + sums.float().double().log(), dim=1)  # of the fp32 partials
+    merge = get_backend("triton").merge
+
+    def lse(order: torch.Tensor, ranks: int = 1) -> torch.Tensor:
+        m, s = maxes[:, order].float().to(triton_device), sums[:, order].float().to(triton_device)
+        zeros = torch.zeros(rows, device=triton_device)
+        shards = zip(m.chunk(ranks, dim=1), s.chunk(ranks, dim=1), strict=True)
+        return merge([ShardPartials(a, b, zeros, zeros.bool()) for a, b in shards])[0].cpu()
+
+    base = lse(torch.arange(n_tiles))
+    ulps = ((base.double() - want).abs() / (want.abs() * torch.finfo(torch.float32).eps)).max()
+    assert ulps <= 2, f"lse is {ulps:.2f} ulp from float64's (seed {seed})"
+    variants = {"reversed": lse(torch.arange(n_tiles).flip(0)), "3 ranks": lse(torch.arange(n_tiles), ranks=3)}
+    variants["shuffled"] = lse(torch.randperm(n_tiles, generator=gen))
+    monkeypatch.setattr(triton_backend, "MERGE_CHUNK", 4)
+    monkeypatch.setattr(triton_backend, "MERGE_ROWS", 1)
+    monkeypatch.setattr(triton_backend, "INTERPRETER_MERGE_ROWS", 8)
+    variants["other blocks"] = lse(torch.arange(n_tiles))
+    for name, got in variants.items():
+        index = kernels.first_bit_difference(base, got)
+        assert index is None, f"{name}: lse row {index} differs (seed {seed})"
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize(("backend", "tp"), [("triton", 2), ("triton", 4), ("triton_fused", 2)])
 def test_triton_distributed_gloo_equals_emulated(backend, tp, make_inputs):
