@@ -53,8 +53,10 @@ def matmul(
     own = checks is None
     checks = caller_checks(checks)
     check_matmul_shapes(hidden, weight)
+    check_matmul_values(hidden, weight, checks)
+    if own:  # every check is of an input: its verdict reaches the host while the kernel runs
+        checks.send()
     out = call_node(impl.matmul, hidden, weight)
-    check_matmul_values(hidden, weight, checks)  # queued while the kernel runs
     if own:
         checks.raise_first()
     return out

@@ -38,11 +38,15 @@ class ValueChecks:
     (``screen_sum``); ``explain`` looks closer: it raises the typed error naming the value, or returns when the
     screen was a false alarm (a sum of finite values can overflow). ``raise_first()`` waits for the device once and
     runs the explanation of the first failed check, in the order they were added, so a call raises what up-front
-    checks would have raised.
+    checks would have raised. ``send()`` starts copying the verdicts queued so far to the host: ``raise_first()``
+    then waits for that copy, not for the kernels queued after it (a call whose checks are all of its inputs can
+    return while its kernel runs).
     """
 
     def __init__(self) -> None:
         self._pending: list[tuple[torch.Tensor, Callable[[], None], bool]] = []
+        # The first pending verdicts, on the host or on their way there (with the event that marks their arrival).
+        self._sent: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
 
     def add(self, failed: torch.Tensor, explain: Callable[[], None]) -> None:
         self._pending.append((failed, explain, False))
@@ -50,17 +54,43 @@ class ValueChecks:
     def add_sum(self, total: torch.Tensor, explain: Callable[[], None]) -> None:
         self._pending.append((total, explain, True))
 
+    def send(self) -> None:
+        """Copy the verdicts queued so far to pinned host memory, queued on the current CUDA stream; once only."""
+        values = [value for value, _, _ in self._pending]
+        if self._sent is not None or not values:
+            return
+        verdicts, copied = stacked(values), None
+        if verdicts.device.type == "cuda":
+            host = torch.empty(verdicts.shape, dtype=verdicts.dtype, pin_memory=True)
+            host.copy_(verdicts, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(torch.cuda.current_stream(verdicts.device))
+            verdicts = host
+        self._sent = (verdicts, copied)
+
     def raise_first(self) -> None:
         pending, self._pending = self._pending, []
+        sent, self._sent = self._sent, None
         if not pending:
             return
-        values = [value for value, _, _ in pending]
-        # The call's one wait for the device; a lone value is copied as it is, without a stack to launch. A stack
-        # promotes bools, status words and sums to one floating dtype, which keeps each verdict.
-        read = values[0].reshape(1).tolist() if len(values) == 1 else torch.stack(values).tolist()
+        read: list[float] = []
+        if sent is not None:
+            host, copied = sent
+            if copied is not None:
+                copied.synchronize()
+            read = host.tolist()
+        rest = [value for value, _, _ in pending[len(read) :]]
+        if rest:  # the call's one wait for the device
+            read += stacked(rest).tolist()
         for value, (_, explain, is_sum) in zip(read, pending, strict=True):
             if (not math.isfinite(value)) if is_sum else value:
                 explain()
+
+
+def stacked(values: list[torch.Tensor]) -> torch.Tensor:
+    """[n] of 0-dim verdicts; a lone one is reshaped, without a stack to launch. A stack promotes bools, status
+    words and sums to one floating dtype, which keeps each verdict (a status word is a few bits)."""
+    return values[0].reshape(1) if len(values) == 1 else torch.stack(values)
 
 
 def check_matmul_values(hidden: torch.Tensor, weight: torch.Tensor, checks: ValueChecks) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICES
 
 import kernels
 
@@ -164,6 +165,37 @@ def test_caller_owned_checks_raise_when_the_caller_reads_them(backend):
     with pytest.raises(kernels.TargetOutOfRangeError, match=r"target id 300 at row 2"):
         checks.raise_first()
     checks.raise_first()  # read once: the queue is empty again
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sent_verdicts_and_later_ones_raise_in_the_order_they_were_queued(device):
+    """``send()`` ships the verdicts queued so far; ``raise_first()`` reads them and the later ones together, and
+    the first failure in queue order is the one raised."""
+    raised = []
+
+    def failing(name: str):
+        def explain():
+            raised.append(name)
+            raise kernels.NonFiniteInputError(name)
+
+        return explain
+
+    def verdicts(*bad: bool) -> kernels.ValueChecks:
+        checks = kernels.ValueChecks()
+        checks.add_sum(torch.tensor(float("nan") if bad[0] else 1.0, device=device), failing("first"))
+        checks.add(torch.tensor(bad[1], device=device), failing("second"))
+        checks.send()
+        checks.add(torch.tensor(2 if bad[2] else 0, dtype=torch.int32, device=device), failing("third"))
+        checks.send()  # once only: the third stays to be read by raise_first
+        return checks
+
+    verdicts(False, False, False).raise_first()
+    cases = {(True, True, True): "first", (False, True, True): "second", (False, False, True): "third"}
+    cases[True, False, False] = "first"
+    for bad, want in cases.items():
+        with pytest.raises(kernels.NonFiniteInputError, match=want):
+            verdicts(*bad).raise_first()
+    assert raised == list(cases.values())
 
 
 def test_checks_must_be_value_checks():
