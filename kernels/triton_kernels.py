@@ -222,6 +222,21 @@ def load_partials(max_ptr, sum_ptr, at, keep):
 
 
 @triton.jit
+def chunk_partials(max_ptr, sum_ptr, base, live, stride_tile, first, n_tiles: tl.constexpr, CHUNK: tl.constexpr):
+    """[CHUNK, rows] partials of tiles first .. first + CHUNK - 1 (tiles past n_tiles and rows past T: (-inf, 0))."""
+    tiles = first + tl.arange(0, CHUNK)
+    keep = (tiles[:, None] < n_tiles) & live[None, :]
+    return load_partials(max_ptr, sum_ptr, base[None, :] + tiles[:, None].to(tl.int64) * stride_tile, keep)
+
+
+@triton.jit
+def fixed_point_sum(m, s, shift):
+    """Per row (column of the [tiles, rows] chunk): the sum of s * exp(m - shift) in units of 2**-32, as int64."""
+    rescaled = s * tl.math.exp2((m - shift[None, :]) * LOG2E)
+    return tl.sum(tl.where(rescaled == rescaled, rescaled * FIXED_POINT, 0.0).to(tl.int64), axis=0)
+
+
+@triton.jit
 def merge_tiles(max_ptr, sum_ptr, base, live, stride_tile, n_tiles: tl.constexpr, CHUNK: tl.constexpr):
     """lse of the rows whose partials of tile t sit at ``base + t * stride_tile`` (``base`` and ``live``: [rows]).
 
@@ -231,23 +246,20 @@ def merge_tiles(max_ptr, sum_ptr, base, live, stride_tile, n_tiles: tl.constexpr
     TP degree: every rank's tiles reach the same sum. A tile rescaled to the max is at most its width, so the sum
     stays below 2**63 for any vocab below 2**31 columns; truncating each tile to 2**-32 moves a sum of at least 1
     (the max's own tile) by under n_tiles * 2**-32. A NaN sumexp (``tile_partials``: a NaN or infinite logit)
-    makes the lse NaN. The tiles are read in chunks of CHUNK: once for the max, again for the sum."""
-    top = tl.full(live.shape, float("-inf"), tl.float32)
-    poisoned = tl.zeros(live.shape, tl.int32)
-    for first in range(0, n_tiles, CHUNK):
-        tiles = first + tl.arange(0, CHUNK)
-        keep = (tiles[:, None] < n_tiles) & live[None, :]
-        m, s = load_partials(max_ptr, sum_ptr, base[None, :] + tiles[:, None].to(tl.int64) * stride_tile, keep)
-        top = tl.maximum(top, tl.max(m, axis=0))
-        poisoned = poisoned | tl.max((s != s).to(tl.int32), axis=0)
+    makes the lse NaN. The tiles are loaded CHUNK at a time; the first chunk stays in registers for the sum, so a
+    vocab of at most CHUNK tiles is read once, and a wider one reads its other chunks twice (max, then sum)."""
+    m, s = chunk_partials(max_ptr, sum_ptr, base, live, stride_tile, 0, n_tiles, CHUNK)
+    top = tl.max(m, axis=0)
+    poisoned = tl.max((s != s).to(tl.int32), axis=0)
+    for first in range(CHUNK, n_tiles, CHUNK):
+        more_m, more_s = chunk_partials(max_ptr, sum_ptr, base, live, stride_tile, first, n_tiles, CHUNK)
+        top = tl.maximum(top, tl.max(more_m, axis=0))
+        poisoned = poisoned | tl.max((more_s != more_s).to(tl.int32), axis=0)
     shift = tl.where(top == float("-inf"), 0.0, top)  # rows past T: exp(-inf - 0) = 0, not NaN
-    total = tl.zeros(live.shape, tl.int64)
-    for first in range(0, n_tiles, CHUNK):
-        tiles = first + tl.arange(0, CHUNK)
-        keep = (tiles[:, None] < n_tiles) & live[None, :]
-        m, s = load_partials(max_ptr, sum_ptr, base[None, :] + tiles[:, None].to(tl.int64) * stride_tile, keep)
-        rescaled = s * tl.math.exp2((m - shift[None, :]) * LOG2E)
-        total += tl.sum(tl.where(rescaled == rescaled, rescaled * FIXED_POINT, 0.0).to(tl.int64), axis=0)
+    total = fixed_point_sum(m, s, shift)
+    for first in range(CHUNK, n_tiles, CHUNK):
+        more_m, more_s = chunk_partials(max_ptr, sum_ptr, base, live, stride_tile, first, n_tiles, CHUNK)
+        total += fixed_point_sum(more_m, more_s, shift)
     lse = top + tl.log(tl.maximum(total, 1).to(tl.float32) / FIXED_POINT)  # rows past T: 0
     return tl.where(poisoned != 0, float("nan"), lse)
 
