@@ -9,7 +9,8 @@ forward; each with its median time over ``--repeats`` calls (L2 flushed before e
 beyond the inputs, its max |logp - float64| on 64 rows, and whether 7 rows alone give the bits they have inside
 the T-row call. ``kernels.logprob`` and ``kernels.matmul`` are timed a second way too: given ``checks=`` and read
 after the call, and back to back (50 calls on inputs rotated past L2, the checks read once after them) beside a
-copy and cuBLAS timed the same way. Then forward + backward of triton_fused and of Liger: time, peak memory with
+copy and cuBLAS timed the same way; for ``kernels.logprob`` also its two kernels alone and the host time of one
+call. Then forward + backward of triton_fused and of Liger: time, peak memory with
 the gradients it makes, max |d hidden - float64| on 64 rows, 7 rows bitwise. ``--tune`` times candidate tilings
 first, of the kinds named or all (docs/benchmarks.md says how the shipped ones were chosen). Prints Markdown tables;
 writes bench_logprob.json to --out. Needs CUDA.
@@ -22,6 +23,7 @@ import json
 import platform
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
@@ -31,6 +33,7 @@ import triton
 
 import kernels
 from kernels import triton_backend
+from kernels.backend import get_backend
 from kernels.triton_backend import MatmulTiling
 
 V, H, LOGIT_STD = 151936, 4096, 4.0
@@ -76,6 +79,18 @@ class Bench:
             torch.cuda.synchronize()
             times.append(start.elapsed_time(stop) / calls)
         return statistics.median(times)
+
+    def host_ms(self, fn: Callable[[], object]) -> float:
+        """Host time per call of ``fn`` over ``repeats`` calls that queue work without waiting for it
+        (``time.perf_counter``; the device is idle when they start): what a call costs before its kernels run."""
+        fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(self.repeats):
+            fn()
+        host = (time.perf_counter() - start) / self.repeats * 1e3
+        torch.cuda.synchronize()
+        return host
 
     @staticmethod
     def peak_gib(fn: Callable[[], object]) -> float:
@@ -152,6 +167,14 @@ def materialized(bench: Bench, hidden, weight, targets, tile: int) -> list[dict]
     ms = deferred_ms(bench, lambda checks: kernels.logprob(logits, targets, backend="triton", checks=checks))
     rows.append({"T": tokens, "measurement": "kernels.logprob triton, checks=ValueChecks() read after the call",
                  "ms": ms, "note": f"{floor_ms / ms:.2f}x floor"})  # fmt: skip
+    # The GPU side alone: the two kernels the call launches at TP = 1, without the call's Python and checks.
+    sharding = kernels.ShardingSpec.even(logits.shape[1], tile, 1)
+    ms = bench.time_ms(lambda: get_backend("triton").whole_vocab(logits, targets, sharding))
+    rows.append({"T": tokens, "measurement": "kernels.logprob triton's two kernels alone (whole_vocab)", "ms": ms,
+                 "note": f"{floor_ms / ms:.2f}x floor"})  # fmt: skip
+    ms = bench.host_ms(lambda: kernels.logprob(logits, targets, backend="triton", checks=kernels.ValueChecks()))
+    rows.append({"T": tokens, "measurement": "host time of one kernels.logprob triton call, not waited for", "ms": ms,
+                 "note": ""})  # fmt: skip
     # Back to back: logits rotated through at least 2 copies and 100 MB, past the 50 MB L2.
     rotation = [logits] + [logits.clone() for _ in range(max(1, -(-(100 << 20) // logits.nbytes) - 1))]
     scratches = [torch.empty_like(logits) for _ in rotation]
