@@ -8,7 +8,6 @@ and reads every verdict at once, after its kernels are queued and before it retu
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import weakref
 from collections.abc import Callable
@@ -32,23 +31,22 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 class ValueChecks:
-    """Checks of input and output values queued on the device, read with one wait for the device.
+    """Checks of input and output values queued on the device, read in one device-to-host copy.
 
     ``add(failed, explain)`` queues a 0-dim tensor (bool, or a kernel's integer status word) that is nonzero when
     something may be wrong, and ``add_sum(total, explain)`` a 0-dim floating sum that is NaN or ±Inf then
     (``screen_sum``); ``explain`` looks closer: it raises the typed error naming the value, or returns when the
-    screen was a false alarm (a sum of finite values can overflow). ``send()`` queues the copy of the verdicts added
-    since the last send to pinned host memory, behind the work that computes them; ``raise_first()`` sends the rest,
-    waits for the copies to land and runs the explanation of the first failed check, in the order they were added,
-    so a call raises what up-front checks would have raised. A call whose checks are all of its inputs sends them
-    before its kernel and returns while the kernel runs.
+    screen was a false alarm (a sum of finite values can overflow). ``raise_first()`` waits for the device once and
+    runs the explanation of the first failed check, in the order they were added, so a call raises what up-front
+    checks would have raised. ``send()`` starts copying the verdicts queued so far to the host: ``raise_first()``
+    then waits for that copy, not for the kernels queued after it (a call whose checks are all of its inputs can
+    return while its kernel runs).
     """
 
     def __init__(self) -> None:
         self._pending: list[tuple[torch.Tensor, Callable[[], None], bool]] = []
-        # The verdicts sent so far, in order: on the host, or on their way there with the event of their arrival.
-        self._sent: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
-        self._sent_count = 0
+        # The first pending verdicts, on the host or on their way there (with the event that marks their arrival).
+        self._sent: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
 
     def add(self, failed: torch.Tensor, explain: Callable[[], None]) -> None:
         self._pending.append((failed, explain, False))
@@ -57,37 +55,41 @@ class ValueChecks:
         self._pending.append((total, explain, True))
 
     def send(self) -> None:
-        """Queue the copy of the verdicts added since the last send to the host (one copy per device), without
-        waiting: the copy is ordered after the kernels that compute them on the current stream."""
-        unsent = [value for value, _, _ in self._pending[self._sent_count :]]
-        self._sent_count = len(self._pending)
-        for device, group in itertools.groupby(unsent, key=lambda value: value.device):
-            verdicts, copied = stacked(list(group)), None
-            if device.type == "cuda":
-                host = torch.empty(verdicts.shape, dtype=verdicts.dtype, pin_memory=True)
-                host.copy_(verdicts, non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record(torch.cuda.current_stream(device))
-                verdicts = host
-            self._sent.append((verdicts, copied))
+        """Copy the verdicts queued so far to pinned host memory, queued on the current CUDA stream; once only."""
+        values = [value for value, _, _ in self._pending]
+        if self._sent is not None or not values:
+            return
+        verdicts, copied = stacked(values), None
+        if verdicts.device.type == "cuda":
+            host = torch.empty(verdicts.shape, dtype=verdicts.dtype, pin_memory=True)
+            host.copy_(verdicts, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(torch.cuda.current_stream(verdicts.device))
+            verdicts = host
+        self._sent = (verdicts, copied)
 
     def raise_first(self) -> None:
-        self.send()
-        pending, sent = self._pending, self._sent
-        self._pending, self._sent, self._sent_count = [], [], 0
+        pending, self._pending = self._pending, []
+        sent, self._sent = self._sent, None
+        if not pending:
+            return
         read: list[float] = []
-        for host, copied in sent:
+        if sent is not None:
+            host, copied = sent
             if copied is not None:
                 copied.synchronize()
-            read += host.tolist()
+            read = host.tolist()
+        rest = [value for value, _, _ in pending[len(read) :]]
+        if rest:  # the call's one wait for the device
+            read += stacked(rest).tolist()
         for value, (_, explain, is_sum) in zip(read, pending, strict=True):
             if (not math.isfinite(value)) if is_sum else value:
                 explain()
 
 
 def stacked(values: list[torch.Tensor]) -> torch.Tensor:
-    """[n] of 0-dim verdicts on one device; a lone one is reshaped, without a stack to launch. A stack promotes
-    bools, status words and sums to one floating dtype, which keeps each verdict (a status word is a few bits)."""
+    """[n] of 0-dim verdicts; a lone one is reshaped, without a stack to launch. A stack promotes bools, status
+    words and sums to one floating dtype, which keeps each verdict (a status word is a few bits)."""
     return values[0].reshape(1) if len(values) == 1 else torch.stack(values)
 
 

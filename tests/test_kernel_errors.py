@@ -169,8 +169,8 @@ def test_caller_owned_checks_raise_when_the_caller_reads_them(backend):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_sent_verdicts_and_later_ones_raise_in_the_order_they_were_queued(device):
-    """``send()`` ships the verdicts queued since the last send; ``raise_first()`` reads every batch, and the first
-    failure in queue order is the one raised."""
+    """``send()`` ships the verdicts queued so far; ``raise_first()`` reads them and the later ones together, and
+    the first failure in queue order is the one raised."""
     raised = []
 
     def failing(name: str):
@@ -186,7 +186,7 @@ def test_sent_verdicts_and_later_ones_raise_in_the_order_they_were_queued(device
         checks.add(torch.tensor(bad[1], device=device), failing("second"))
         checks.send()
         checks.add(torch.tensor(2 if bad[2] else 0, dtype=torch.int32, device=device), failing("third"))
-        checks.send()  # the third alone: a second batch
+        checks.send()  # once only: the third stays to be read by raise_first
         return checks
 
     verdicts(False, False, False).raise_first()
