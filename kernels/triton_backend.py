@@ -14,7 +14,7 @@ from kernels.backend import ShardPartials, WholeVocab, register_backend
 from kernels.capability import ImplementationKind, LogprobBackendCapability
 from kernels.contract import EXECUTION_DTYPE_NAMES, DeterminismScope, MergeOrder
 from kernels.errors import BackendUnavailableError
-from kernels.launches import distinct_launches, launch_triton, recording_launches
+from kernels.launches import distinct_launches, launch_triton, record, recording_launches
 from kernels.provenance import NodeProvenance, observe
 from kernels.sharding import ShardingSpec
 from kernels.validation import IGNORE_INDEX
@@ -78,6 +78,8 @@ TARGET_ROWS = 128  # rows per program of the target-logit copy
 TRITON_KERNELS = "kernels.triton_kernels"  # imported on first use: TRITON_INTERPRET is read at decoration
 PARTIALS_KERNELS = ("tile_partials_kernel", "target_logit_kernel")  # a shard's partials from given logits
 FINISH_KERNELS = ("tile_merge_kernel", "whole_vocab_finish_kernel")  # the merge: of ranks, or TP = 1's own
+WHOLE_VOCAB_KERNEL = "whole_vocab_kernel"  # TP = 1 in one launch: both the logprob and the tp_merge node
+ONE_LAUNCH_ROWS = 2048  # whole_vocab in one launch up to this many rows, in two above (docs/kernels.md)
 
 
 # Both Triton backends: fixed global vocab tiles merged exactly, the same bits for every TP degree (checked
@@ -124,8 +126,8 @@ def kernels_for(device_type: str) -> tuple[ModuleType, bool]:
     "triton",
     kernels={
         "matmul": {f"{TRITON_KERNELS}.invariant_matmul_kernel", f"{TRITON_KERNELS}.tma_matmul_kernel"},
-        "logprob": {f"{TRITON_KERNELS}.{name}" for name in PARTIALS_KERNELS},
-        "tp_merge": {f"{TRITON_KERNELS}.{name}" for name in FINISH_KERNELS},
+        "logprob": {f"{TRITON_KERNELS}.{name}" for name in (*PARTIALS_KERNELS, WHOLE_VOCAB_KERNEL)},
+        "tp_merge": {f"{TRITON_KERNELS}.{name}" for name in (*FINISH_KERNELS, WHOLE_VOCAB_KERNEL)},
     },
     capability=GLOBAL_TILES,
 )
@@ -270,12 +272,51 @@ class TritonBackend:
     def whole_vocab(
         self, logits: torch.Tensor, targets: torch.Tensor, sharding: ShardingSpec
     ) -> tuple[WholeVocab, NodeProvenance, NodeProvenance]:
-        """TP = 1 in two launches and no torch op: logits[T, V] and targets[T] (unchecked) -> logp, lse, active,
-        owner rank and a status word (``WholeVocab``), with the records of the logprob node (the tile partials,
-        ``tile_partials_kernel``) and the tp_merge node (``whole_vocab_finish_kernel``: merge, target logit, logp and
-        the checks of the targets' range and of the outputs). The tiles and the merge are those of
-        ``shard_partials`` then ``merge``, so the bits are the same at every TP degree."""
+        """TP = 1 with no torch op but allocations: logits[T, V] and targets[T] (unchecked) -> logp, lse, active,
+        owner rank and a status word (``WholeVocab``), with the records of the logprob node (the tile partials) and
+        the tp_merge node (merge, target logit, logp and the checks of the targets' range and of the outputs). Up to
+        ONE_LAUNCH_ROWS rows in one launch (``whole_vocab_kernel``, recorded for both nodes); more rows in two,
+        ``tile_partials_kernel`` then ``whole_vocab_finish_kernel``. The tiles and the merge are those of
+        ``shard_partials`` then ``merge`` either way, so the bits are the same at every TP degree."""
         kernels_module, interpreted = load_kernels(logits.device)
+        rows, vocab = logits.shape
+        if rows > ONE_LAUNCH_ROWS:
+            return self.whole_vocab_in_two(kernels_module, interpreted, logits, targets, sharding)
+        logits = aligned_rows(logits)
+        n_tiles = sharding.padded_vocab_size // sharding.vocab_tile
+        rows_per_program = partial_rows(interpreted)
+        blocks = triton_cdiv(rows, rows_per_program)
+        tiles = min(INTERPRETER_PARTIAL_TILES, n_tiles) if interpreted else partial_tiles(blocks, n_tiles)
+        scratch = torch.empty((2, n_tiles, rows), dtype=torch.float32, device=logits.device)
+        maxes, sums = scratch[0].T, scratch[1].T
+        out = torch.empty((2, rows), dtype=torch.float32, device=logits.device)
+        active = torch.empty((rows,), dtype=torch.bool, device=logits.device)
+        owner = torch.empty((rows,), dtype=torch.int64, device=logits.device)
+        state = torch.zeros((1 + blocks,), dtype=torch.int32, device=logits.device)  # status, arrivals per block
+        with recording_launches() as launches:
+            launch_triton(
+                kernels_module.whole_vocab_kernel, (blocks, triton_cdiv(n_tiles, tiles)),
+                logits, targets, maxes, sums, state, out[0], out[1], active.view(torch.uint8), owner,
+                rows, vocab, logits.stride(0), *maxes.stride(), n_tiles=n_tiles, ROWS=rows_per_program,
+                TILE=sharding.vocab_tile, TILES=tiles, CHUNK=merge_chunk(n_tiles), IGNORE=IGNORE_INDEX,
+                num_warps=PARTIAL_WARPS,
+            )  # fmt: skip
+        for launch in launches:  # the one launch is the tp_merge node's too
+            record(launch)
+        whole = WholeVocab(logp=out[0], lse=out[1], active=active, owner_rank=owner, status=state[0])
+        partials = observe("logprob", self.id, sums, interpreted=interpreted)
+        merged = observe("tp_merge", self.id, out, tiles=n_tiles, interpreted=interpreted)
+        return whole, replace(partials, launches=distinct_launches(launches)), merged
+
+    def whole_vocab_in_two(
+        self,
+        kernels_module: ModuleType,
+        interpreted: bool,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        sharding: ShardingSpec,
+    ) -> tuple[WholeVocab, NodeProvenance, NodeProvenance]:
+        """``whole_vocab`` in two launches: the partials, then a kernel that merges and finishes the rows."""
         with recording_launches() as partial_launches:  # the logprob node's own record
             maxes, sums = self.tile_partials(kernels_module, interpreted, logits, sharding)
         # Allocated after the first launch: at training sizes that host work then runs beside the partials kernel
@@ -320,9 +361,10 @@ class TritonBackend:
             for name in ("fused_head_kernel", "fused_head_tma_kernel", "invariant_matmul_kernel", "tma_matmul_kernel")
         },
         "logprob": {
-            f"{TRITON_KERNELS}.{name}" for name in ("fused_head_kernel", "fused_head_tma_kernel", *PARTIALS_KERNELS)
+            f"{TRITON_KERNELS}.{name}"
+            for name in ("fused_head_kernel", "fused_head_tma_kernel", *PARTIALS_KERNELS, WHOLE_VOCAB_KERNEL)
         },
-        "tp_merge": {f"{TRITON_KERNELS}.{name}" for name in FINISH_KERNELS},
+        "tp_merge": {f"{TRITON_KERNELS}.{name}" for name in (*FINISH_KERNELS, WHOLE_VOCAB_KERNEL)},
     },
     # The matmul and the per-tile partials are one kernel and the logits stay fp32 in registers; the tiles are
     # the global vocab tiles of the unfused backend, merged in the same order.

@@ -165,19 +165,28 @@ def tile_partials_kernel(
     ROWS: tl.constexpr, TILE: tl.constexpr, TILES: tl.constexpr,
 ):  # fmt: skip
     """Per (row, tile) of one shard's logits: fp32 max and sum(exp(x - max)) over TILE columns (``tile_partials``),
-    stored at ``row * stride_out_row + tile * stride_out_tile``.
-
-    Each program takes ROWS rows and TILES consecutive tiles, one tile at a time: how many it takes changes the
-    number of programs, never a tile's arithmetic. Rows past T read row T - 1 and store nothing, so no row mask
-    narrows the loads either. A program whose tiles are all wholly inside the real columns loads them without a
-    mask, so the loads stay as wide as the alignment allows, and issues each tile's load before the previous tile's
-    reduction (two tiles in flight per warp). Otherwise (a shard's last program) each tile is loaded masked. Which
-    path a tile takes depends on its global position only (shards start on tile boundaries), never on the call's
-    rows, and both give a tile the same arithmetic."""
+    stored at ``row * stride_out_row + tile * stride_out_tile`` (``store_tile_partials``)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    store_tile_partials(
+        logits_ptr, max_ptr, sum_ptr, rows, tl.program_id(1) * TILES, T, n_real, stride_t, n_tiles,
+        stride_out_row, stride_out_tile, TILE, TILES,
+    )  # fmt: skip
+
+
+@triton.jit
+def store_tile_partials(
+    logits_ptr, max_ptr, sum_ptr, rows, first, T, n_real, stride_t, n_tiles, stride_out_row, stride_out_tile,
+    TILE: tl.constexpr, TILES: tl.constexpr,
+):  # fmt: skip
+    """The partials of ``rows`` over TILES consecutive tiles from tile ``first``, one tile at a time: how many tiles
+    a program takes changes the number of programs, never a tile's arithmetic. Rows past T read row T - 1 and store
+    nothing, so no row mask narrows the loads either. A program whose tiles are all wholly inside the real columns
+    loads them without a mask, so the loads stay as wide as the alignment allows, and issues each tile's load before
+    the previous tile's reduction (two tiles in flight per warp). Otherwise (a shard's last program) each tile is
+    loaded masked. Which path a tile takes depends on its global position only (shards start on tile boundaries),
+    never on the call's rows, and both give a tile the same arithmetic."""
     source = tl.minimum(rows, T - 1).to(tl.int64)
     out_rows = rows.to(tl.int64) * stride_out_row
-    first = tl.program_id(1) * TILES
     if (first + TILES) * TILE <= n_real:
         at = logits_ptr + source[:, None] * stride_t + (first * TILE + tl.arange(0, TILE))[None, :]
         x = tl.load(at)
@@ -218,7 +227,9 @@ FIXED_POINT: tl.constexpr = tl.constexpr(2.0**32)
 
 @triton.jit
 def load_partials(max_ptr, sum_ptr, at, keep):
-    return tl.load(max_ptr + at, mask=keep, other=float("-inf")), tl.load(sum_ptr + at, mask=keep, other=0.0)
+    """Partials read from L2, past L1: ``whole_vocab_kernel`` reads what other programs stored in the same launch."""
+    m = tl.load(max_ptr + at, mask=keep, other=float("-inf"), cache_modifier=".cg")
+    return m, tl.load(sum_ptr + at, mask=keep, other=0.0, cache_modifier=".cg")
 
 
 @triton.jit
@@ -275,17 +286,56 @@ def tile_merge_kernel(max_ptr, sum_ptr, lse_ptr, T, stride_row, stride_tile, n_t
 
 
 @triton.jit(do_not_specialize=["T", "n_real"])
+def whole_vocab_kernel(
+    logits_ptr, target_ptr, max_ptr, sum_ptr, state_ptr, logp_ptr, lse_ptr, active_ptr, owner_ptr,
+    T, n_real, stride_t, stride_row, stride_tile, n_tiles: tl.constexpr,
+    ROWS: tl.constexpr, TILE: tl.constexpr, TILES: tl.constexpr, CHUNK: tl.constexpr, IGNORE: tl.constexpr,
+):  # fmt: skip
+    """TP = 1 in one launch: logits[T, n_real] and targets[T] -> the tile partials (``store_tile_partials``, as
+    ``tile_partials_kernel`` stores them), then, in the last program of each row block to finish its tiles,
+    ``finish_rows`` on the block's rows: the bits of the partials-merge-finish path at every TP degree.
+
+    ``state_ptr``: int32 [1 + row blocks], zero on entry: the status word (``finish_rows``), then one arrival count
+    per row block. A program counts its arrival once its partials are stored; the one that sees every other program
+    of its row block arrived merges (``merge_tiles`` reads past L1, which another program's stores do not reach)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    store_tile_partials(
+        logits_ptr, max_ptr, sum_ptr, rows, tl.program_id(1) * TILES, T, n_real, stride_t, n_tiles,
+        stride_row, stride_tile, TILE, TILES,
+    )  # fmt: skip
+    tl.debug_barrier()  # every thread's partials are stored before the program's arrival is counted
+    arrived = tl.atomic_add(state_ptr + 1 + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(1) - 1:
+        tl.debug_barrier()
+        finish_rows(
+            logits_ptr, target_ptr, max_ptr, sum_ptr, state_ptr, logp_ptr, lse_ptr, active_ptr, owner_ptr, rows,
+            T, n_real, stride_t, stride_row, stride_tile, n_tiles, CHUNK, IGNORE,
+        )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["T", "n_real"])
 def whole_vocab_finish_kernel(
     logits_ptr, target_ptr, max_ptr, sum_ptr, status_ptr, logp_ptr, lse_ptr, active_ptr, owner_ptr,
     T, n_real, stride_t, stride_row, stride_tile, n_tiles: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
     IGNORE: tl.constexpr,
 ):  # fmt: skip
-    """TP = 1: the tile partials of logits[T, n_real] (as ``tile_merge_kernel`` reads them) and targets[T] ->
-    lse (``merge_tiles``), logp = logit[target] - lse (0 where the target is IGNORE), active and owner rank (0, or
-    -1 where inactive): the bits of the partials-merge-finish path at every TP degree, in one launch. Sets bit 0 of
-    ``status_ptr`` for a target outside [0, n_real) that is not IGNORE (read as inactive here) and bit 1 for a
-    non-finite lse or logp; the caller reads it to raise."""
+    """TP = 1 after ``tile_partials_kernel``: ``finish_rows`` on BLOCK rows per program."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    finish_rows(
+        logits_ptr, target_ptr, max_ptr, sum_ptr, status_ptr, logp_ptr, lse_ptr, active_ptr, owner_ptr, rows,
+        T, n_real, stride_t, stride_row, stride_tile, n_tiles, CHUNK, IGNORE,
+    )  # fmt: skip
+
+
+@triton.jit
+def finish_rows(
+    logits_ptr, target_ptr, max_ptr, sum_ptr, status_ptr, logp_ptr, lse_ptr, active_ptr, owner_ptr, rows,
+    T, n_real, stride_t, stride_row, stride_tile, n_tiles: tl.constexpr, CHUNK: tl.constexpr, IGNORE: tl.constexpr,
+):  # fmt: skip
+    """The tile partials of logits[T, n_real] (as ``tile_merge_kernel`` reads them) and targets[T] -> for ``rows``:
+    lse (``merge_tiles``), logp = logit[target] - lse (0 where the target is IGNORE), active and owner rank (0, or
+    -1 where inactive). Sets bit 0 of ``status_ptr`` for a target outside [0, n_real) that is not IGNORE (read as
+    inactive here) and bit 1 for a non-finite lse or logp; the caller reads it to raise."""
     live = rows < T
     lse = merge_tiles(max_ptr, sum_ptr, rows.to(tl.int64) * stride_row, live, stride_tile, n_tiles, CHUNK)
     target = tl.load(target_ptr + rows, mask=live, other=IGNORE)

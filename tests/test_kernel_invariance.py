@@ -110,6 +110,33 @@ def test_the_tile_merge_gives_one_answer_in_any_order_and_grouping(triton_device
         assert index is None, f"{name}: lse row {index} differs (seed {seed})"
 
 
+@pytest.mark.parametrize(("rows", "vocab", "tile"), [(1, 1000, 128), (37, 3001, 64), (130, 500, 16)])
+def test_tp1_in_one_launch_and_in_two_gives_the_same_bits_and_verdicts(rows, vocab, tile, triton_device, monkeypatch):
+    """Small calls run TP = 1 as one kernel whose last program per row block merges; larger ones as two kernels.
+    Which one runs depends on the row count only, so both must give every output bit and check verdict alike."""
+    from kernels import triton_backend
+
+    seed = secrets.randbits(31)
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=gen) * 4).bfloat16().to(triton_device)
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+    targets[::3] = kernels.IGNORE_INDEX
+    bad = targets.clone()
+    bad[-1] = vocab
+    results = []
+    for limit in (rows, rows - 1):  # one launch, then two
+        monkeypatch.setattr(triton_backend, "ONE_LAUNCH_ROWS", limit)
+        results.append(kernels.logprob(logits, targets.to(triton_device), backend="triton", vocab_tile=tile))
+        with pytest.raises(kernels.TargetOutOfRangeError, match=f"target id {vocab} at row {rows - 1}"):
+            kernels.logprob(logits, bad.to(triton_device), backend="triton", vocab_tile=tile)
+    one, two = results
+    assert one.provenance.nodes["tp_merge"].kernels == ("kernels.triton_kernels.whole_vocab_kernel",)
+    assert two.provenance.nodes["tp_merge"].kernels == ("kernels.triton_kernels.whole_vocab_finish_kernel",)
+    for name in ("logp", "lse", "owner_rank", "active"):
+        index = kernels.first_bit_difference(getattr(one, name).double(), getattr(two, name).double())
+        assert index is None, f"{name} row {index} differs between one launch and two (seed {seed})"
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize(("backend", "tp"), [("triton", 2), ("triton", 4), ("triton_fused", 2)])
 def test_triton_distributed_gloo_equals_emulated(backend, tp, make_inputs):
