@@ -79,7 +79,7 @@ TRITON_KERNELS = "kernels.triton_kernels"  # imported on first use: TRITON_INTER
 PARTIALS_KERNELS = ("tile_partials_kernel", "target_logit_kernel")  # a shard's partials from given logits
 FINISH_KERNELS = ("tile_merge_kernel", "whole_vocab_finish_kernel")  # the merge: of ranks, or TP = 1's own
 WHOLE_VOCAB_KERNEL = "whole_vocab_kernel"  # TP = 1 in one launch: both the logprob and the tp_merge node
-ONE_LAUNCH_ROWS = 2048  # whole_vocab in one launch up to this many rows, in two above (docs/kernels.md)
+ONE_LAUNCH_ROWS = 1024  # whole_vocab in one launch up to this many rows, in two above (docs/kernels.md)
 
 
 # Both Triton backends: fixed global vocab tiles merged exactly, the same bits for every TP degree (checked
