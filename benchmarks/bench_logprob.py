@@ -2,18 +2,17 @@
 
 Usage: python benchmarks/bench_logprob.py [--tokens 64 16384] [--repeats 20] [--tune [matmul fused logprob]] [--out DIR]
 
-For each token count T (V = 151936, H = 4096, bf16 inputs, logits of std 4): the bandwidth floor of reading
-the [T, V] bf16 logits, ``kernels.logprob`` on materialized logits, ``kernels.matmul`` against cuBLAS, and
-``kernels.lm_head_logprob`` (triton, triton_fused, aten) beside Liger-Kernel's fused linear cross-entropy
-forward; each with its median time over ``--repeats`` calls (L2 flushed before every call), its peak memory
-beyond the inputs, its max |logp - float64| on 64 rows, and whether 7 rows alone give the bits they have inside
-the T-row call. ``kernels.logprob`` and ``kernels.matmul`` are timed a second way too: given ``checks=`` and read
-after the call, and back to back (50 calls on inputs rotated past L2, the checks read once after them) beside a
-copy and cuBLAS timed the same way; for ``kernels.logprob`` also its two kernels alone and the host time of one
-call. Then forward + backward of triton_fused and of Liger: time, peak memory with
-the gradients it makes, max |d hidden - float64| on 64 rows, 7 rows bitwise. ``--tune`` times candidate tilings
-first, of the kinds named or all (docs/benchmarks.md says how the shipped ones were chosen). Prints Markdown tables;
-writes bench_logprob.json to --out. Needs CUDA.
+For each token count T (V = 151936, H = 4096, bf16 inputs, logits of std 4): the bandwidth floor of reading the
+[T, V] bf16 logits, ``kernels.logprob`` on materialized logits, ``kernels.matmul`` against cuBLAS, and
+``kernels.lm_head_logprob`` (triton, triton_fused, aten) beside Liger-Kernel's fused linear cross-entropy forward;
+each with its median time over ``--repeats`` calls (L2 flushed before every call), its peak memory beyond the
+inputs, its max |logp - float64| on 64 rows, and whether 7 rows alone give the bits they have inside the T-row call.
+``kernels.logprob`` and ``kernels.matmul`` are timed a second way too: given ``checks=`` and read after the call,
+and back to back (50 calls on inputs rotated past L2, the checks read once after them) beside a copy and cuBLAS
+timed the same way; for ``kernels.logprob`` also its kernels alone and the host time of one call. Then forward +
+backward of triton_fused and of Liger: time, peak memory with the gradients it makes, max |d hidden - float64| on 64
+rows, 7 rows bitwise. ``--tune`` times candidate tilings first, of the kinds named or all (docs/benchmarks.md says
+how the shipped ones were chosen). Prints Markdown tables; writes bench_logprob.json to --out. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -167,10 +166,10 @@ def materialized(bench: Bench, hidden, weight, targets, tile: int) -> list[dict]
     ms = deferred_ms(bench, lambda checks: kernels.logprob(logits, targets, backend="triton", checks=checks))
     rows.append({"T": tokens, "measurement": "kernels.logprob triton, checks=ValueChecks() read after the call",
                  "ms": ms, "note": f"{floor_ms / ms:.2f}x floor"})  # fmt: skip
-    # The GPU side alone: the two kernels the call launches at TP = 1, without the call's Python and checks.
+    # The GPU side alone: the kernels the call launches at TP = 1 (one or two), without its Python and checks.
     sharding = kernels.ShardingSpec.even(logits.shape[1], tile, 1)
     ms = bench.time_ms(lambda: get_backend("triton").whole_vocab(logits, targets, sharding))
-    rows.append({"T": tokens, "measurement": "kernels.logprob triton's two kernels alone (whole_vocab)", "ms": ms,
+    rows.append({"T": tokens, "measurement": "kernels.logprob triton's kernels alone (whole_vocab)", "ms": ms,
                  "note": f"{floor_ms / ms:.2f}x floor"})  # fmt: skip
     ms = bench.host_ms(lambda: kernels.logprob(logits, targets, backend="triton", checks=kernels.ValueChecks()))
     rows.append({"T": tokens, "measurement": "host time of one kernels.logprob triton call, not waited for", "ms": ms,
