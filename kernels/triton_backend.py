@@ -367,7 +367,7 @@ class TritonBackend:
         "tp_merge": {f"{TRITON_KERNELS}.{name}" for name in (*FINISH_KERNELS, WHOLE_VOCAB_KERNEL)},
     },
     # The matmul and the per-tile partials are one kernel and the logits stay fp32 in registers; the tiles are
-    # the global vocab tiles of the unfused backend, merged in the same order.
+    # the global vocab tiles of the unfused backend, merged by the same exact merge.
     capability=GLOBAL_TILES,
 )
 class TritonFusedBackend(TritonBackend):

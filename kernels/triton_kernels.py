@@ -277,7 +277,7 @@ def merge_tiles(max_ptr, sum_ptr, base, live, stride_tile, n_tiles: tl.constexpr
 
 @triton.jit(do_not_specialize=["T"])
 def tile_merge_kernel(max_ptr, sum_ptr, lse_ptr, T, stride_row, stride_tile, n_tiles: tl.constexpr,
-                         BLOCK: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+                      BLOCK: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
     """lse[T] from per-tile partials (row, tile) at ``row * stride_row + tile * stride_tile`` (``merge_tiles``)."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = rows < T
