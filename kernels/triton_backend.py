@@ -1,4 +1,4 @@
-"""Triton backend: invariant matmul, fixed global vocab tiles, partials merged in tile order."""
+"""Triton backend: invariant matmul, fixed global vocab tiles, partials merged exactly (in any order)."""
 
 from __future__ import annotations
 
