@@ -8,7 +8,9 @@ its contract's spec. The per-rank work and the merge are in ``kernels.ranks``; r
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
@@ -50,16 +52,12 @@ def matmul(
     ``checks``: queue the checks of values there and return without waiting for the device; the caller's
     ``checks.raise_first()`` raises them later (docs/kernels.md#errors). By default the call reads them itself."""
     impl = get_backend(backend)
-    own = checks is None
-    checks = caller_checks(checks)
-    check_matmul_shapes(hidden, weight)
-    check_matmul_values(hidden, weight, checks)
-    if own:  # every check is of an input: its verdict reaches the host while the kernel runs
-        checks.send()
-    out = call_node(impl.matmul, hidden, weight)
-    if own:
-        checks.raise_first()
-    return out
+    with call_checks(checks) as pending:
+        check_matmul_shapes(hidden, weight)
+        check_matmul_values(hidden, weight, pending)
+        if checks is None:  # every check is of an input: its verdict reaches the host while the kernel runs
+            pending.send()
+        return call_node(impl.matmul, hidden, weight)
 
 
 def logprob(
@@ -73,36 +71,39 @@ def logprob(
     """logits[T, V] + targets[T] -> fp32 logp[T] and lse[T] (TP=1). ``checks`` as for ``matmul``."""
     impl = get_backend(backend)
     in_kernel = getattr(impl, "checks_finite_logits", False)  # the kernel poisons its result instead of a scan
-    own = checks is None
-    checks = caller_checks(checks)
-    check_logits_inputs(logits, targets, checks, values=not in_kernel)
-    vocab = logits.shape[1]
-    sharding = ShardingSpec.even(vocab, vocab_tile, 1)
-    check_vocab_tile(impl, vocab_tile, logits.device)
-    # The partials are launched first: a rank owns only targets inside its shard, so an out-of-range one is never
-    # read there; the range check and its safe targets are queued while the kernel runs, before ``finish`` uses them.
-    ranks = [rank_logprob(impl, logits, targets, sharding, matmul_provenance=None)]
-    whole = ranks[0].whole  # a backend's one-launch TP = 1 path checks the targets and its outputs itself
-    safe_targets = targets if whole is not None else check_target_range(targets, vocab, checks)
-    result = finish(impl, safe_targets, sharding, ranks, tp_mode="emulated")
-    # A non-finite input is named as one, as the up-front scan would, before an overflow is considered.
-    name_input = functools.partial(check_finite, "logits", logits) if in_kernel else None
-    if whole is not None:
-        require_status(result, whole, targets, vocab, logits.dtype, checks, first=name_input)
-    else:
-        require_finite(result, logits.dtype, checks, first=name_input)
-    if own:
-        checks.raise_first()
-    return result
+    with call_checks(checks) as pending:
+        check_logits_inputs(logits, targets, pending, values=not in_kernel)
+        vocab = logits.shape[1]
+        sharding = ShardingSpec.even(vocab, vocab_tile, 1)
+        check_vocab_tile(impl, vocab_tile, logits.device)
+        # The partials are launched first: a rank owns only targets inside its shard, so an out-of-range one is
+        # never read there; the range check and its safe targets are queued while the kernel runs, before
+        # ``finish`` uses them.
+        ranks = [rank_logprob(impl, logits, targets, sharding, matmul_provenance=None)]
+        whole = ranks[0].whole  # a backend's one-launch TP = 1 path checks the targets and its outputs itself
+        safe_targets = targets if whole is not None else check_target_range(targets, vocab, pending)
+        result = finish(impl, safe_targets, sharding, ranks, tp_mode="emulated")
+        # A non-finite input is named as one, as the up-front scan would, before an overflow is considered.
+        name_input = functools.partial(check_finite, "logits", logits) if in_kernel else None
+        if whole is not None:
+            require_status(result, whole, targets, vocab, logits.dtype, pending, first=name_input)
+        else:
+            require_finite(result, logits.dtype, pending, first=name_input)
+        return result
 
 
-def caller_checks(checks: ValueChecks | None) -> ValueChecks:
-    """The caller's ``ValueChecks``, or a new one for a call that reads its own."""
-    if checks is None:
-        return ValueChecks()
-    if not isinstance(checks, ValueChecks):
-        raise KernelInputError(f"checks must be a kernels.ValueChecks or None, got {type(checks).__name__}")
-    return checks
+@contextlib.contextmanager
+def call_checks(checks: ValueChecks | None) -> Iterator[ValueChecks]:
+    """The ``ValueChecks`` a call queues its value checks in: the caller's, left for the caller to read, or the
+    call's own, read (``raise_first``) when its block ends without an error."""
+    if checks is not None:
+        if not isinstance(checks, ValueChecks):
+            raise KernelInputError(f"checks must be a kernels.ValueChecks or None, got {type(checks).__name__}")
+        yield checks
+        return
+    own = ValueChecks()
+    yield own
+    own.raise_first()
 
 
 def lm_head_logprob(
@@ -142,42 +143,39 @@ def sharded_lm_head_logprob(
         raise KernelInputError(f"tp_mode must be one of {TP_MODES}, got {tp_mode!r}")
     if not isinstance(sharding, ShardingSpec):
         raise KernelInputError(f"sharding must be a ShardingSpec, got {sharding!r}")
-    own = checks is None
-    checks = caller_checks(checks)
-    check_lm_head_inputs(hidden, weight, targets, checks)
-    if weight.shape[0] != sharding.vocab_size:
-        raise ShapeMismatchError(
-            f"weight has {weight.shape[0]} vocab rows but the sharding splits a vocab of {sharding.vocab_size}"
-        )
-    check_vocab_tile(impl, sharding.vocab_tile, hidden.device)
-    targets = check_target_range(targets, sharding.vocab_size, checks)
-    wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    tiled = grad.has_tiled_backward(impl)  # else a backend of torch ops, which autograd differentiates itself
-    if tp_mode == "distributed":
-        if wants_grad and not tiled:  # the rank processes' torch ops carry no graph: a silent no-gradient
-            differentiable = [name for name, backend in BACKENDS.items() if grad.has_tiled_backward(backend)]
-            raise KernelInputError(
-                f"tp_mode='distributed' computes no gradient with backend {impl.id!r}: its ranks' autograd graphs "
-                f"stay in their processes; differentiate it with tp_mode='emulated' (the same bits), use a backend "
-                f"with a tiled backward ({', '.join(differentiable)}), or call under torch.no_grad()"
+    with call_checks(checks) as pending:
+        check_lm_head_inputs(hidden, weight, targets, pending)
+        if weight.shape[0] != sharding.vocab_size:
+            raise ShapeMismatchError(
+                f"weight has {weight.shape[0]} vocab rows but the sharding splits a vocab of {sharding.vocab_size}"
             )
-        checks.raise_first()  # the rank processes get checked inputs only
-        with torch.no_grad():
-            result = run_distributed(backend, hidden, weight, targets, sharding)
-        gradients = functools.partial(distributed_gradients, backend, sharding=sharding)
-    elif wants_grad and tiled:
-        with torch.no_grad():
+        check_vocab_tile(impl, sharding.vocab_tile, hidden.device)
+        targets = check_target_range(targets, sharding.vocab_size, pending)
+        wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+        tiled = grad.has_tiled_backward(impl)  # else a backend of torch ops, which autograd differentiates itself
+        if tp_mode == "distributed":
+            if wants_grad and not tiled:  # the rank processes' torch ops carry no graph: a silent no-gradient
+                differentiable = [name for name, backend in BACKENDS.items() if grad.has_tiled_backward(backend)]
+                raise KernelInputError(
+                    f"tp_mode='distributed' computes no gradient with backend {impl.id!r}: its ranks' autograd "
+                    f"graphs stay in their processes; differentiate it with tp_mode='emulated' (the same bits), use "
+                    f"a backend with a tiled backward ({', '.join(differentiable)}), or call under torch.no_grad()"
+                )
+            pending.raise_first()  # the rank processes get checked inputs only
+            with torch.no_grad():
+                result = run_distributed(backend, hidden, weight, targets, sharding)
+            gradients = functools.partial(distributed_gradients, backend, sharding=sharding)
+        elif wants_grad and tiled:
+            with torch.no_grad():
+                result = emulated(impl, hidden, weight, targets, sharding)
+            gradients = functools.partial(grad.tiled_gradients, impl, sharding=sharding)
+        else:
             result = emulated(impl, hidden, weight, targets, sharding)
-        gradients = functools.partial(grad.tiled_gradients, impl, sharding=sharding)
-    else:
-        result = emulated(impl, hidden, weight, targets, sharding)
-    if wants_grad and tiled:
-        logp, lse = grad.TiledLogprobBackward.apply(hidden, weight, result.logp, result.lse, targets, gradients)
-        result = replace(result, logp=logp, lse=lse)
-    require_finite(result, hidden.dtype, checks)  # in the caller's process: typed in both tp modes
-    if own:
-        checks.raise_first()
-    return result
+        if wants_grad and tiled:
+            logp, lse = grad.TiledLogprobBackward.apply(hidden, weight, result.logp, result.lse, targets, gradients)
+            result = replace(result, logp=logp, lse=lse)
+        require_finite(result, hidden.dtype, pending)  # in the caller's process: typed in both tp modes
+        return result
 
 
 def emulated(
