@@ -80,6 +80,7 @@ PARTIALS_KERNELS = ("tile_partials_kernel", "target_logit_kernel")  # a shard's 
 FINISH_KERNELS = ("tile_merge_kernel", "whole_vocab_finish_kernel")  # the merge: of ranks, or TP = 1's own
 WHOLE_VOCAB_KERNEL = "whole_vocab_kernel"  # TP = 1 in one launch: both the logprob and the tp_merge node
 ONE_LAUNCH_ROWS = 1024  # whole_vocab in one launch up to this many rows, in two above (docs/kernels.md)
+ONE_LAUNCH_TILES = 4  # tiles per program of the one launch: fewer arrivals per row than 1, more programs than 8
 
 
 # Both Triton backends: fixed global vocab tiles merged exactly, the same bits for every TP degree (checked
@@ -286,7 +287,7 @@ class TritonBackend:
         n_tiles = sharding.padded_vocab_size // sharding.vocab_tile
         rows_per_program = partial_rows(interpreted)
         blocks = triton_cdiv(rows, rows_per_program)
-        tiles = min(INTERPRETER_PARTIAL_TILES, n_tiles) if interpreted else partial_tiles(blocks, n_tiles)
+        tiles = min(INTERPRETER_PARTIAL_TILES if interpreted else ONE_LAUNCH_TILES, n_tiles)
         scratch = torch.empty((2, n_tiles, rows), dtype=torch.float32, device=logits.device)
         maxes, sums = scratch[0].T, scratch[1].T
         out = torch.empty((2, rows), dtype=torch.float32, device=logits.device)
