@@ -14,7 +14,7 @@ from kernels.backend import ShardPartials, WholeVocab, register_backend
 from kernels.capability import ImplementationKind, LogprobBackendCapability
 from kernels.contract import EXECUTION_DTYPE_NAMES, DeterminismScope, MergeOrder
 from kernels.errors import BackendUnavailableError
-from kernels.launches import distinct_launches, launch_triton, record, recording_launches
+from kernels.launches import KernelLaunch, distinct_launches, launch_triton, record, recording_launches
 from kernels.provenance import NodeProvenance, observe
 from kernels.sharding import ShardingSpec
 from kernels.validation import IGNORE_INDEX
@@ -245,8 +245,7 @@ class TritonBackend:
         rows, n_real = logits.shape
         lo, hi = sharding.shard
         n_tiles = (hi - lo) // sharding.vocab_tile
-        scratch = torch.empty((2, n_tiles, rows), dtype=torch.float32, device=logits.device)
-        maxes, sums = scratch[0].T, scratch[1].T
+        maxes, sums = tile_scratch(n_tiles, rows, logits.device)
         rows_per_program = partial_rows(interpreted)
         blocks = triton_cdiv(rows, rows_per_program)
         tiles = min(INTERPRETER_PARTIAL_TILES, n_tiles) if interpreted else partial_tiles(blocks, n_tiles)
@@ -288,12 +287,8 @@ class TritonBackend:
         rows_per_program = partial_rows(interpreted)
         blocks = triton_cdiv(rows, rows_per_program)
         tiles = min(INTERPRETER_PARTIAL_TILES if interpreted else ONE_LAUNCH_TILES, n_tiles)
-        scratch = torch.empty((2, n_tiles, rows), dtype=torch.float32, device=logits.device)
-        maxes, sums = scratch[0].T, scratch[1].T
-        out = torch.empty((2, rows), dtype=torch.float32, device=logits.device)
-        active = torch.empty((rows,), dtype=torch.bool, device=logits.device)
-        owner = torch.empty((rows,), dtype=torch.int64, device=logits.device)
-        state = torch.zeros((1 + blocks,), dtype=torch.int32, device=logits.device)  # status, arrivals per block
+        maxes, sums = tile_scratch(n_tiles, rows, logits.device)
+        out, active, owner, state = row_outputs(rows, blocks, logits.device)  # state: status, arrivals per block
         with recording_launches() as launches:
             launch_triton(
                 kernels_module.whole_vocab_kernel, (blocks, triton_cdiv(n_tiles, tiles)),
@@ -304,10 +299,7 @@ class TritonBackend:
             )  # fmt: skip
         for launch in launches:  # the one launch is the tp_merge node's too
             record(launch)
-        whole = WholeVocab(logp=out[0], lse=out[1], active=active, owner_rank=owner, status=state[0])
-        partials = observe("logprob", self.id, sums, interpreted=interpreted)
-        merged = observe("tp_merge", self.id, out, tiles=n_tiles, interpreted=interpreted)
-        return whole, replace(partials, launches=distinct_launches(launches)), merged
+        return self.whole_vocab_result(out, active, owner, state, sums, launches, interpreted)
 
     def whole_vocab_in_two(
         self,
@@ -323,20 +315,31 @@ class TritonBackend:
         # Allocated after the first launch: at training sizes that host work then runs beside the partials kernel
         # instead of delaying it (H200, T = 16384: the run that allocated first measured 1.44 ms against 1.27).
         rows, vocab = logits.shape
-        out = torch.empty((2, rows), dtype=torch.float32, device=logits.device)
-        active = torch.empty((rows,), dtype=torch.bool, device=logits.device)
-        owner = torch.empty((rows,), dtype=torch.int64, device=logits.device)
-        status = torch.zeros((), dtype=torch.int32, device=logits.device)
+        out, active, owner, state = row_outputs(rows, 0, logits.device)  # state: the status word alone
         n_tiles, merge_rows = maxes.shape[1], merge_block(interpreted)
         launch_triton(
             kernels_module.whole_vocab_finish_kernel, (triton_cdiv(rows, merge_rows),),
-            logits, targets, maxes, sums, status, out[0], out[1], active.view(torch.uint8), owner,
+            logits, targets, maxes, sums, state, out[0], out[1], active.view(torch.uint8), owner,
             rows, vocab, logits.stride(0), *maxes.stride(), n_tiles=n_tiles, BLOCK=merge_rows,
             CHUNK=merge_chunk(n_tiles), IGNORE=IGNORE_INDEX,
         )  # fmt: skip
-        whole = WholeVocab(logp=out[0], lse=out[1], active=active, owner_rank=owner, status=status)
+        return self.whole_vocab_result(out, active, owner, state, sums, partial_launches, interpreted)
+
+    def whole_vocab_result(
+        self,
+        out: torch.Tensor,
+        active: torch.Tensor,
+        owner: torch.Tensor,
+        state: torch.Tensor,
+        sums: torch.Tensor,
+        partial_launches: Sequence[KernelLaunch],
+        interpreted: bool,
+    ) -> tuple[WholeVocab, NodeProvenance, NodeProvenance]:
+        """``whole_vocab``'s return: the outputs (``row_outputs``) and the records of its two nodes, the logprob
+        node's with the launches that made the partials."""
+        whole = WholeVocab(logp=out[0], lse=out[1], active=active, owner_rank=owner, status=state[0])
         partials = observe("logprob", self.id, sums, interpreted=interpreted)
-        merged = observe("tp_merge", self.id, out, tiles=maxes.shape[1], interpreted=interpreted)
+        merged = observe("tp_merge", self.id, out, tiles=sums.shape[1], interpreted=interpreted)
         return whole, replace(partials, launches=distinct_launches(partial_launches)), merged
 
     def merge(self, partials: Sequence[ShardPartials]) -> tuple[torch.Tensor, NodeProvenance]:
@@ -532,6 +535,24 @@ def partial_tiles(blocks: int, n_tiles: int) -> int:
     while tiles > 1 and blocks * triton_cdiv(n_tiles, tiles) < PARTIAL_PROGRAMS:
         tiles //= 2
     return max(1, min(tiles, n_tiles))
+
+
+def tile_scratch(n_tiles: int, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(maxes, sums) [rows, n_tiles] fp32, views of one tile-major buffer: a merge program reads one tile of
+    consecutive rows at a time."""
+    scratch = torch.empty((2, n_tiles, rows), dtype=torch.float32, device=device)
+    return scratch[0].T, scratch[1].T
+
+
+def row_outputs(
+    rows: int, counters: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a kernel that finishes rows (``finish_rows``) writes: logp and lse [2, rows] fp32, active [rows] bool,
+    owner rank [rows] int64, and its int32 state, zero: the status word, then ``counters`` arrival counts."""
+    out = torch.empty((2, rows), dtype=torch.float32, device=device)
+    active = torch.empty((rows,), dtype=torch.bool, device=device)
+    owner = torch.empty((rows,), dtype=torch.int64, device=device)
+    return out, active, owner, torch.zeros((1 + counters,), dtype=torch.int32, device=device)
 
 
 def merge_block(interpreted: bool) -> int:
