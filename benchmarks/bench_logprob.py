@@ -314,7 +314,7 @@ def tune(bench: Bench, kinds: list[str], out: list[dict]) -> None:
     matmul_candidates = matmul_candidates if "matmul" in kinds else []
     fused_candidates = fused_candidates if "fused" in kinds else []
     partial_candidates = partial_candidates if "logprob" in kinds else []
-    knobs = ("PARTIAL_ROWS", "PARTIAL_TILES", "PARTIAL_WARPS", "FUSED_TMA", "FUSED_PROGRAMS_PER_SM")
+    knobs = ("PARTIAL_ROWS", "PARTIAL_TILES", "ONE_LAUNCH_TILES", "PARTIAL_WARPS", "FUSED_TMA", "FUSED_PROGRAMS_PER_SM")
     saved = (dict(triton_backend.CUDA_TILING), dict(triton_backend.FUSED_TILING))
     saved_knobs = {knob: getattr(triton_backend, knob) for knob in knobs}
     try:
@@ -347,6 +347,7 @@ def tune_at(bench: Bench, tokens: int, matmul_candidates, fused_candidates, part
     logits = hidden @ weight.T if partial_candidates else None
     for rows, tiles, warps in partial_candidates:
         triton_backend.PARTIAL_ROWS, triton_backend.PARTIAL_TILES, triton_backend.PARTIAL_WARPS = rows, tiles, warps
+        triton_backend.ONE_LAUNCH_TILES = tiles  # up to ONE_LAUNCH_ROWS rows the one launch takes its own count
         ms = bench.time_ms(lambda: kernels.logprob(logits, targets, backend="triton", vocab_tile=1024))
         out.append({"T": tokens, "kind": "logprob", "config": f"rows={rows} tiles={tiles} warps={warps}", "ms": ms})
 
