@@ -52,8 +52,9 @@ class ShardPartials:
 @dataclass(frozen=True)
 class WholeVocab:
     """A TP = 1 call reduced by the backend in one step (``whole_vocab``): per-row outputs as ``LogprobResult``
-    holds them, and ``status``, a 0-dim int32 the kernel set: bit 0, a target outside the vocab that is not
-    ignore_index; bit 1, a non-finite lse or logp. The caller reads it before returning (``kernels.ranks``)."""
+    holds them, and ``status``, int32 words the kernel wrote (one per block of rows, none needs zeroing first): bit
+    0, a target outside the vocab that is not ignore_index; bit 1, a non-finite lse or logp. The caller reads them
+    before returning (``kernels.ranks``)."""
 
     logp: torch.Tensor
     lse: torch.Tensor

@@ -8,6 +8,7 @@ processes (``tp_mode="distributed"``); this module imports neither (docs/kernels
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -87,8 +88,8 @@ def require_status(
     first: Callable[[], None] | None = None,
 ) -> None:
     """Queue the verdict a ``whole_vocab`` kernel wrote itself (``WholeVocab.status``) in place of the target-range
-    check and ``require_finite``'s screen: one value, read with the call's other checks, explained by the same
-    errors in the same order (an out-of-range target before a non-finite output)."""
+    check and ``require_finite``'s screen: its status words, read with the call's other checks, explained by the
+    same errors in the same order (an out-of-range target before a non-finite output)."""
     checks.add(
         whole.status,
         functools.partial(explain_status, whole.status, result, targets, vocab_size, execution_dtype, first),
@@ -103,7 +104,7 @@ def explain_status(
     execution_dtype: torch.dtype,
     first: Callable[[], None] | None,
 ) -> None:
-    bits = int(status)
+    bits = functools.reduce(operator.or_, status.tolist(), 0)
     if bits & 1:
         explain_target_range(targets, out_of_range(targets, vocab_size), vocab_size)
     if bits & 2:

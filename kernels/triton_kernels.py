@@ -287,7 +287,7 @@ def tile_merge_kernel(max_ptr, sum_ptr, lse_ptr, T, stride_row, stride_tile, n_t
 
 @triton.jit(do_not_specialize=["T", "n_real"])
 def whole_vocab_kernel(
-    logits_ptr, target_ptr, max_ptr, sum_ptr, state_ptr, logp_ptr, lse_ptr, active_ptr, owner_ptr,
+    logits_ptr, target_ptr, max_ptr, sum_ptr, count_ptr, status_ptr, logp_ptr, lse_ptr, active_ptr, owner_ptr,
     T, n_real, stride_t, stride_row, stride_tile, n_tiles: tl.constexpr,
     ROWS: tl.constexpr, TILE: tl.constexpr, TILES: tl.constexpr, CHUNK: tl.constexpr, IGNORE: tl.constexpr,
 ):  # fmt: skip
@@ -295,22 +295,25 @@ def whole_vocab_kernel(
     ``tile_partials_kernel`` stores them), then, in the last program of each row block to finish its tiles,
     ``finish_rows`` on the block's rows: the bits of the partials-merge-finish path at every TP degree.
 
-    ``state_ptr``: int32 [1 + row blocks], zero on entry: the status word (``finish_rows``), then one arrival count
-    per row block. A program counts its arrival once its partials are stored; the one that sees every other program
-    of its row block arrived merges (``merge_tiles`` reads past L1, which another program's stores do not reach)."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ``count_ptr``: int32, one arrival count per row block, zero on entry and zero again on exit. A program counts
+    its arrival once its partials are stored; the one that sees every other program of its row block arrived
+    merges (``merge_tiles`` reads past L1, which another program's stores do not reach) and sets the count back to
+    zero, so the same counts serve the next launch on the stream. ``status_ptr``: one int32 per row block."""
+    block = tl.program_id(0)
+    rows = block * ROWS + tl.arange(0, ROWS)
     store_tile_partials(
         logits_ptr, max_ptr, sum_ptr, rows, tl.program_id(1) * TILES, T, n_real, stride_t, n_tiles,
         stride_row, stride_tile, TILE, TILES,
     )  # fmt: skip
     tl.debug_barrier()  # every thread's partials are stored before the program's arrival is counted
-    arrived = tl.atomic_add(state_ptr + 1 + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+    arrived = tl.atomic_add(count_ptr + block, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(1) - 1:
         tl.debug_barrier()
         finish_rows(
-            logits_ptr, target_ptr, max_ptr, sum_ptr, state_ptr, logp_ptr, lse_ptr, active_ptr, owner_ptr, rows,
-            T, n_real, stride_t, stride_row, stride_tile, n_tiles, CHUNK, IGNORE,
+            logits_ptr, target_ptr, max_ptr, sum_ptr, status_ptr + block, logp_ptr, lse_ptr, active_ptr, owner_ptr,
+            rows, T, n_real, stride_t, stride_row, stride_tile, n_tiles, CHUNK, IGNORE,
         )  # fmt: skip
+        tl.atomic_xchg(count_ptr + block, 0, sem="relaxed", scope="gpu")  # every arrival is in: none races it
 
 
 @triton.jit(do_not_specialize=["T", "n_real"])
@@ -319,11 +322,11 @@ def whole_vocab_finish_kernel(
     T, n_real, stride_t, stride_row, stride_tile, n_tiles: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
     IGNORE: tl.constexpr,
 ):  # fmt: skip
-    """TP = 1 after ``tile_partials_kernel``: ``finish_rows`` on BLOCK rows per program."""
+    """TP = 1 after ``tile_partials_kernel``: ``finish_rows`` on BLOCK rows per program, one status word each."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     finish_rows(
-        logits_ptr, target_ptr, max_ptr, sum_ptr, status_ptr, logp_ptr, lse_ptr, active_ptr, owner_ptr, rows,
-        T, n_real, stride_t, stride_row, stride_tile, n_tiles, CHUNK, IGNORE,
+        logits_ptr, target_ptr, max_ptr, sum_ptr, status_ptr + tl.program_id(0), logp_ptr, lse_ptr, active_ptr,
+        owner_ptr, rows, T, n_real, stride_t, stride_row, stride_tile, n_tiles, CHUNK, IGNORE,
     )  # fmt: skip
 
 
@@ -334,19 +337,19 @@ def finish_rows(
 ):  # fmt: skip
     """The tile partials of logits[T, n_real] (as ``tile_merge_kernel`` reads them) and targets[T] -> for ``rows``:
     lse (``merge_tiles``), logp = logit[target] - lse (0 where the target is IGNORE), active and owner rank (0, or
-    -1 where inactive). Sets bit 0 of ``status_ptr`` for a target outside [0, n_real) that is not IGNORE (read as
-    inactive here) and bit 1 for a non-finite lse or logp; the caller reads it to raise."""
+    -1 where inactive). Stores the rows' status word at ``status_ptr``: bit 0 for a target outside [0, n_real)
+    that is not IGNORE (read as inactive here), bit 1 for a non-finite lse or logp; the caller reads it to raise.
+    The target logits are loaded first, so their latency runs beside the merge's."""
     live = rows < T
-    lse = merge_tiles(max_ptr, sum_ptr, rows.to(tl.int64) * stride_row, live, stride_tile, n_tiles, CHUNK)
     target = tl.load(target_ptr + rows, mask=live, other=IGNORE)
     active = target != IGNORE
     valid = (target >= 0) & (target < n_real)
     x = tl.load(logits_ptr + rows.to(tl.int64) * stride_t + tl.where(valid, target, 0), mask=live & valid, other=0)
+    lse = merge_tiles(max_ptr, sum_ptr, rows.to(tl.int64) * stride_row, live, stride_tile, n_tiles, CHUNK)
     logp = tl.where(active & valid, widen_to_fp32(x) - lse, 0.0)
     finite = (tl.abs(lse) < float("inf")) & (tl.abs(logp) < float("inf"))  # false for NaN too
     out_of_range = tl.max((live & active & ~valid).to(tl.int32), axis=0)
-    bits = out_of_range | (2 * tl.max((live & ~finite).to(tl.int32), axis=0))
-    tl.atomic_or(status_ptr, bits, mask=bits != 0)
+    tl.store(status_ptr, out_of_range | (2 * tl.max((live & ~finite).to(tl.int32), axis=0)))
     tl.store(lse_ptr + rows, lse, mask=live)
     tl.store(logp_ptr + rows, logp, mask=live)
     tl.store(active_ptr + rows, active.to(tl.uint8), mask=live)

@@ -33,20 +33,21 @@ def dtype_name(dtype: torch.dtype) -> str:
 class ValueChecks:
     """Checks of input and output values queued on the device, read in one device-to-host copy.
 
-    ``add(failed, explain)`` queues a 0-dim tensor (bool, or a kernel's integer status word) that is nonzero when
-    something may be wrong, and ``add_sum(total, explain)`` a 0-dim floating sum that is NaN or ±Inf then
-    (``screen_sum``); ``explain`` looks closer: it raises the typed error naming the value, or returns when the
-    screen was a false alarm (a sum of finite values can overflow). ``raise_first()`` waits for the device once and
-    runs the explanation of the first failed check, in the order they were added, so a call raises what up-front
-    checks would have raised. ``send()`` starts copying the verdicts queued so far to the host: ``raise_first()``
-    then waits for that copy, not for the kernels queued after it (a call whose checks are all of its inputs can
-    return while its kernel runs).
+    ``add(failed, explain)`` queues a tensor of any shape (bools, or a kernel's integer status words) with a nonzero
+    element when something may be wrong, and ``add_sum(total, explain)`` a 0-dim floating sum that is NaN or ±Inf
+    then (``screen_sum``); ``explain`` looks closer: it raises the typed error naming the value, or returns when
+    the screen was a false alarm (a sum of finite values can overflow). ``raise_first()`` waits for the device once
+    and runs the explanation of the first failed check, in the order they were added, so a call raises what
+    up-front checks would have raised. ``send()`` starts copying the verdicts queued so far to the host:
+    ``raise_first()`` then waits for that copy, not for the kernels queued after it (a call whose checks are all of
+    its inputs can return while its kernel runs).
     """
 
     def __init__(self) -> None:
         self._pending: list[tuple[torch.Tensor, Callable[[], None], bool]] = []
-        # The first pending verdicts, on the host or on their way there (with the event that marks their arrival).
-        self._sent: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+        # The verdicts of the first checks pending, on the host or on their way there (with the event that marks
+        # their arrival), and how many checks they hold.
+        self._sent: tuple[torch.Tensor, torch.cuda.Event | None, int] | None = None
 
     def add(self, failed: torch.Tensor, explain: Callable[[], None]) -> None:
         self._pending.append((failed, explain, False))
@@ -59,14 +60,14 @@ class ValueChecks:
         values = [value for value, _, _ in self._pending]
         if self._sent is not None or not values:
             return
-        verdicts, copied = stacked(values), None
+        verdicts, copied = flattened(values), None
         if verdicts.device.type == "cuda":
             host = torch.empty(verdicts.shape, dtype=verdicts.dtype, pin_memory=True)
             host.copy_(verdicts, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(torch.cuda.current_stream(verdicts.device))
             verdicts = host
-        self._sent = (verdicts, copied)
+        self._sent = (verdicts, copied, len(values))
 
     def raise_first(self) -> None:
         pending, self._pending = self._pending, []
@@ -74,23 +75,30 @@ class ValueChecks:
         if not pending:
             return
         read: list[float] = []
+        checks_sent = 0
         if sent is not None:
-            host, copied = sent
+            host, copied, checks_sent = sent
             if copied is not None:
                 copied.synchronize()
             read = host.tolist()
-        rest = [value for value, _, _ in pending[len(read) :]]
+        rest = [value for value, _, _ in pending[checks_sent:]]
         if rest:  # the call's one wait for the device
-            read += stacked(rest).tolist()
-        for value, (_, explain, is_sum) in zip(read, pending, strict=True):
-            if (not math.isfinite(value)) if is_sum else value:
+            read += flattened(rest).tolist()
+        sizes = [value.numel() for value, _, _ in pending]
+        if len(read) != sum(sizes):  # never expected: a verdict read short would pass unseen
+            raise RuntimeError(f"read {len(read)} verdict values for {len(pending)} checks of {sum(sizes)} values")
+        at = 0
+        for (_, explain, is_sum), size in zip(pending, sizes, strict=True):
+            words, at = read[at : at + size], at + size
+            if (not all(map(math.isfinite, words))) if is_sum else any(words):
                 explain()
 
 
-def stacked(values: list[torch.Tensor]) -> torch.Tensor:
-    """[n] of 0-dim verdicts; a lone one is reshaped, without a stack to launch. A stack promotes bools, status
-    words and sums to one floating dtype, which keeps each verdict (a status word is a few bits)."""
-    return values[0].reshape(1) if len(values) == 1 else torch.stack(values)
+def flattened(values: list[torch.Tensor]) -> torch.Tensor:
+    """Every element of the verdicts, in order, as one 1-dim tensor; a lone verdict is reshaped, without a cat to
+    launch. The cat promotes bools, status words and sums to one floating dtype, which keeps each verdict (a status
+    word is a few bits)."""
+    return values[0].reshape(-1) if len(values) == 1 else torch.cat([value.reshape(-1) for value in values])
 
 
 def check_matmul_values(hidden: torch.Tensor, weight: torch.Tensor, checks: ValueChecks) -> None:

@@ -170,7 +170,7 @@ def test_caller_owned_checks_raise_when_the_caller_reads_them(backend):
 @pytest.mark.parametrize("device", DEVICES)
 def test_sent_verdicts_and_later_ones_raise_in_the_order_they_were_queued(device):
     """``send()`` ships the verdicts queued so far; ``raise_first()`` reads them and the later ones together, and
-    the first failure in queue order is the one raised."""
+    the first failure in queue order is the one raised, whichever element of a verdict of several failed."""
     raised = []
 
     def failing(name: str):
@@ -183,9 +183,10 @@ def test_sent_verdicts_and_later_ones_raise_in_the_order_they_were_queued(device
     def verdicts(*bad: bool) -> kernels.ValueChecks:
         checks = kernels.ValueChecks()
         checks.add_sum(torch.tensor(float("nan") if bad[0] else 1.0, device=device), failing("first"))
-        checks.add(torch.tensor(bad[1], device=device), failing("second"))
+        checks.add(torch.tensor([False, bad[1], False], device=device), failing("second"))
+        words = torch.tensor([0, 0, 2 if bad[2] else 0, 0], dtype=torch.int32, device=device)  # one per row block
         checks.send()
-        checks.add(torch.tensor(2 if bad[2] else 0, dtype=torch.int32, device=device), failing("third"))
+        checks.add(words, failing("third"))
         checks.send()  # once only: the third stays to be read by raise_first
         return checks
 

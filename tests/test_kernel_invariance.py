@@ -122,19 +122,48 @@ def test_tp1_in_one_launch_and_in_two_gives_the_same_bits_and_verdicts(rows, voc
     targets = torch.randint(0, vocab, (rows,), generator=gen)
     targets[::3] = kernels.IGNORE_INDEX
     bad = targets.clone()
-    bad[-1] = vocab
+    bad[-1] = vocab  # in the last row block
+    nan_logits = logits.clone()
+    nan_logits[rows // 2, 3] = float("nan")  # in a middle one
     results = []
     for limit in (rows, rows - 1):  # one launch, then two
         monkeypatch.setattr(triton_backend, "ONE_LAUNCH_ROWS", limit)
         results.append(kernels.logprob(logits, targets.to(triton_device), backend="triton", vocab_tile=tile))
         with pytest.raises(kernels.TargetOutOfRangeError, match=f"target id {vocab} at row {rows - 1}"):
             kernels.logprob(logits, bad.to(triton_device), backend="triton", vocab_tile=tile)
+        with pytest.raises(kernels.NonFiniteInputError, match=rf"nan at index \({rows // 2}, 3\)"):
+            kernels.logprob(nan_logits, targets.to(triton_device), backend="triton", vocab_tile=tile)
     one, two = results
     assert one.provenance.nodes["tp_merge"].kernels == ("kernels.triton_kernels.whole_vocab_kernel",)
     assert two.provenance.nodes["tp_merge"].kernels == ("kernels.triton_kernels.whole_vocab_finish_kernel",)
     for name in ("logp", "lse", "owner_rank", "active"):
         index = kernels.first_bit_difference(getattr(one, name).double(), getattr(two, name).double())
         assert index is None, f"{name} row {index} differs between one launch and two (seed {seed})"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA: only the GPU reuses a stream's arrival counts")
+def test_the_one_launch_leaves_every_streams_arrival_counts_at_zero(monkeypatch):
+    """On a GPU the one launch reuses its stream's arrival counts, zeroed once, not per call: every call, of any row
+    count and on any stream, must leave them at zero for the next, and give the bits of the two-launch path."""
+    from kernels import triton_backend
+
+    seed = secrets.randbits(31)
+    gen = torch.Generator().manual_seed(seed)
+    side = torch.cuda.Stream()
+    for stream, rows in [(torch.cuda.current_stream(), 37), (side, 1024), (side, 3), (torch.cuda.current_stream(), 1)]:
+        logits = (torch.randn(rows, 3001, generator=gen) * 4).bfloat16().cuda()
+        targets = torch.randint(0, 3001, (rows,), generator=gen).cuda()
+        with torch.cuda.stream(stream):
+            results = []
+            for limit in (rows, rows - 1):  # one launch, then two
+                monkeypatch.setattr(triton_backend, "ONE_LAUNCH_ROWS", limit)
+                results.append(kernels.logprob(logits, targets, backend="triton", vocab_tile=64))
+        torch.cuda.synchronize()
+        for name in ("logp", "lse"):
+            index = kernels.first_bit_difference(getattr(results[0], name), getattr(results[1], name))
+            assert index is None, f"{rows} rows on {stream}: {name} row {index} differs (seed {seed})"
+        left = {key: int(counts.count_nonzero()) for key, counts in triton_backend._ARRIVAL_COUNTS.items()}
+        assert len(left) >= 1 and not any(left.values()), f"arrival counts left nonzero: {left}"
 
 
 @pytest.mark.interpreter
