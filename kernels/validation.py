@@ -62,10 +62,16 @@ class ValueChecks:
             return
         verdicts, copied = flattened(values), None
         if verdicts.device.type == "cuda":
+            # Copied on a side stream once computed, so the copy runs beside the kernels queued after it rather than
+            # ahead of them (H200, kernels.matmul at T = 64: 314 µs, against 325 with the kernel queued behind it).
             host = torch.empty(verdicts.shape, dtype=verdicts.dtype, pin_memory=True)
-            host.copy_(verdicts, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(torch.cuda.current_stream(verdicts.device))
+            side = verdict_stream(verdicts.device)
+            side.wait_stream(torch.cuda.current_stream(verdicts.device))
+            with torch.cuda.stream(side):
+                host.copy_(verdicts, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(side)
+            verdicts.record_stream(side)  # its memory is not reused before the copy has read it
             verdicts = host
         self._sent = (verdicts, copied, len(values))
 
@@ -92,6 +98,12 @@ class ValueChecks:
             words, at = read[at : at + size], at + size
             if (not all(map(math.isfinite, words))) if is_sum else any(words):
                 explain()
+
+
+@functools.cache
+def verdict_stream(device: torch.device) -> torch.cuda.Stream:
+    """The CUDA stream ``ValueChecks.send`` copies verdicts on, one per device."""
+    return torch.cuda.Stream(device)
 
 
 def flattened(values: list[torch.Tensor]) -> torch.Tensor:
