@@ -80,24 +80,37 @@ class ValueChecks:
         sent, self._sent = self._sent, None
         if not pending:
             return
-        read: list[float] = []
+        on_host: list[torch.Tensor] = []
         checks_sent = 0
         if sent is not None:
             host, copied, checks_sent = sent
             if copied is not None:
                 copied.synchronize()
-            read = host.tolist()
+            on_host.append(host)
         rest = [value for value, _, _ in pending[checks_sent:]]
         if rest:  # the call's one wait for the device
-            read += flattened(rest).tolist()
+            on_host.append(flattened(rest).cpu())
+        read = on_host[0] if len(on_host) == 1 else torch.cat(on_host)
         sizes = [value.numel() for value, _, _ in pending]
-        if len(read) != sum(sizes):  # never expected: a verdict read short would pass unseen
-            raise RuntimeError(f"read {len(read)} verdict values for {len(pending)} checks of {sum(sizes)} values")
+        if read.numel() != sum(sizes):  # never expected: a verdict read short would pass unseen
+            raise RuntimeError(f"read {read.numel()} verdict values for {len(pending)} checks of {sum(sizes)} values")
         at = 0
         for (_, explain, is_sum), size in zip(pending, sizes, strict=True):
-            words, at = read[at : at + size], at + size
-            if (not all(map(math.isfinite, words))) if is_sum else any(words):
+            words, at = (read if size == read.numel() else read[at : at + size]), at + size
+            if verdict_failed(words, is_sum):
                 explain()
+
+
+SMALL_VERDICT = 64  # up to this many values a verdict is read as a Python list, past it by a torch op on the host
+
+
+def verdict_failed(words: torch.Tensor, is_sum: bool) -> bool:
+    """Whether one check's verdict values, on the host, say it failed: a sum that is not finite, else any nonzero
+    value. Many values (1024 status words of a 16384-row call) take one op, 3 µs against 12 for a list."""
+    if words.numel() > SMALL_VERDICT:
+        return (not bool(words.isfinite().all())) if is_sum else bool(words.any())
+    values = words.tolist()
+    return (not all(map(math.isfinite, values))) if is_sum else any(values)
 
 
 @functools.cache

@@ -184,7 +184,8 @@ def test_sent_verdicts_and_later_ones_raise_in_the_order_they_were_queued(device
         checks = kernels.ValueChecks()
         checks.add_sum(torch.tensor(float("nan") if bad[0] else 1.0, device=device), failing("first"))
         checks.add(torch.tensor([False, bad[1], False], device=device), failing("second"))
-        words = torch.tensor([0, 0, 2 if bad[2] else 0, 0], dtype=torch.int32, device=device)  # one per row block
+        words = torch.zeros(100, dtype=torch.int32, device=device)  # one per row block: more than a list is read for
+        words[97] = 2 if bad[2] else 0
         checks.send()
         checks.add(words, failing("third"))
         checks.send()  # once only: the third stays to be read by raise_first
