@@ -273,7 +273,7 @@ class TritonBackend:
         self, logits: torch.Tensor, targets: torch.Tensor, sharding: ShardingSpec
     ) -> tuple[WholeVocab, NodeProvenance, NodeProvenance]:
         """TP = 1 with no torch op but allocations: logits[T, V] and targets[T] (unchecked) -> logp, lse, active,
-        owner rank and a status word (``WholeVocab``), with the records of the logprob node (the tile partials) and
+        owner rank and status words (``WholeVocab``), with the records of the logprob node (the tile partials) and
         the tp_merge node (merge, target logit, logp and the checks of the targets' range and of the outputs). Up to
         ONE_LAUNCH_ROWS rows in one launch (``whole_vocab_kernel``, recorded for both nodes); more rows in two,
         ``tile_partials_kernel`` then ``whole_vocab_finish_kernel``. The tiles and the merge are those of
@@ -288,19 +288,19 @@ class TritonBackend:
         blocks = triton_cdiv(rows, rows_per_program)
         tiles = min(INTERPRETER_PARTIAL_TILES if interpreted else ONE_LAUNCH_TILES, n_tiles)
         maxes, sums = tile_scratch(n_tiles, rows, logits.device, row_major=True)
-        out, active, owner, status = row_outputs(rows, blocks, logits.device)
+        logp, lse, active, owner, status = row_outputs(rows, blocks, logits.device)
         counts = arrival_counts(logits.device, blocks, interpreted)
         with recording_launches() as launches:
             launch_triton(
                 kernels_module.whole_vocab_kernel, (blocks, triton_cdiv(n_tiles, tiles)),
-                logits, targets, maxes, sums, counts, status, out[0], out[1], active.view(torch.uint8), owner,
+                logits, targets, maxes, sums, counts, status, logp, lse, active.view(torch.uint8), owner,
                 rows, vocab, logits.stride(0), *maxes.stride(), n_tiles=n_tiles, ROWS=rows_per_program,
                 TILE=sharding.vocab_tile, TILES=tiles, CHUNK=merge_chunk(n_tiles), IGNORE=IGNORE_INDEX,
                 num_warps=PARTIAL_WARPS,
             )  # fmt: skip
         for launch in launches:  # the one launch is the tp_merge node's too
             record(launch)
-        return self.whole_vocab_result(out, active, owner, status, sums, launches, interpreted)
+        return self.whole_vocab_result(WholeVocab(logp, lse, active, owner, status), sums, launches, interpreted)
 
     def whole_vocab_in_two(
         self,
@@ -318,30 +318,24 @@ class TritonBackend:
         rows, vocab = logits.shape
         n_tiles, merge_rows = maxes.shape[1], merge_block(interpreted)
         programs = triton_cdiv(rows, merge_rows)
-        out, active, owner, status = row_outputs(rows, programs, logits.device)
+        logp, lse, active, owner, status = row_outputs(rows, programs, logits.device)
         launch_triton(
             kernels_module.whole_vocab_finish_kernel, (programs,),
-            logits, targets, maxes, sums, status, out[0], out[1], active.view(torch.uint8), owner,
+            logits, targets, maxes, sums, status, logp, lse, active.view(torch.uint8), owner,
             rows, vocab, logits.stride(0), *maxes.stride(), n_tiles=n_tiles, BLOCK=merge_rows,
             CHUNK=merge_chunk(n_tiles), IGNORE=IGNORE_INDEX,
         )  # fmt: skip
-        return self.whole_vocab_result(out, active, owner, status, sums, partial_launches, interpreted)
+        return self.whole_vocab_result(
+            WholeVocab(logp, lse, active, owner, status), sums, partial_launches, interpreted
+        )
 
     def whole_vocab_result(
-        self,
-        out: torch.Tensor,
-        active: torch.Tensor,
-        owner: torch.Tensor,
-        status: torch.Tensor,
-        sums: torch.Tensor,
-        partial_launches: Sequence[KernelLaunch],
-        interpreted: bool,
+        self, whole: WholeVocab, sums: torch.Tensor, partial_launches: Sequence[KernelLaunch], interpreted: bool
     ) -> tuple[WholeVocab, NodeProvenance, NodeProvenance]:
-        """``whole_vocab``'s return: the outputs (``row_outputs``) and the records of its two nodes, the logprob
-        node's with the launches that made the partials."""
-        whole = WholeVocab(logp=out[0], lse=out[1], active=active, owner_rank=owner, status=status)
+        """``whole_vocab``'s return: its outputs and the records of its two nodes, the logprob node's with the
+        launches that made the partials ``sums``."""
         partials = observe("logprob", self.id, sums, interpreted=interpreted)
-        merged = observe("tp_merge", self.id, out, tiles=sums.shape[1], interpreted=interpreted)
+        merged = observe("tp_merge", self.id, whole.lse, tiles=sums.shape[1], interpreted=interpreted)
         return whole, replace(partials, launches=distinct_launches(partial_launches)), merged
 
     def merge(self, partials: Sequence[ShardPartials]) -> tuple[torch.Tensor, NodeProvenance]:
@@ -555,14 +549,14 @@ def tile_scratch(
 
 def row_outputs(
     rows: int, blocks: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What a kernel that finishes rows (``finish_rows``) writes: logp and lse [2, rows] fp32, active [rows] bool,
-    owner rank [rows] int64, and one int32 status word per block of rows. Each is written whole, so none is zeroed:
-    a call queues no kernel but its own."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a kernel that finishes rows (``finish_rows``) writes: logp and lse [rows] fp32 (two rows of one buffer),
+    active [rows] bool, owner rank [rows] int64, and one int32 status word per block of rows. Each is written
+    whole, so none is zeroed: a call queues no kernel but its own."""
     out = torch.empty((2, rows), dtype=torch.float32, device=device)
     active = torch.empty((rows,), dtype=torch.bool, device=device)
     owner = torch.empty((rows,), dtype=torch.int64, device=device)
-    return out, active, owner, torch.empty((blocks,), dtype=torch.int32, device=device)
+    return out[0], out[1], active, owner, torch.empty((blocks,), dtype=torch.int32, device=device)
 
 
 # (device index, raw CUDA stream) -> the int32 arrival counts that whole_vocab_kernel launches on that stream share.
