@@ -5,8 +5,9 @@ Usage: python benchmarks/bench_logprob.py [--tokens 64 16384] [--repeats 20] [--
 For each token count T (V = 151936, H = 4096, bf16 inputs, logits of std 4): the bandwidth floor of reading the
 [T, V] bf16 logits, ``kernels.logprob`` on materialized logits, ``kernels.matmul`` against cuBLAS, and
 ``kernels.lm_head_logprob`` (triton, triton_fused, aten) beside Liger-Kernel's fused linear cross-entropy forward;
-each with its median time over ``--repeats`` calls (L2 flushed before every call), its peak memory beyond the
-inputs, its max |logp - float64| on 64 rows, and whether 7 rows alone give the bits they have inside the T-row call.
+each with its median time over ``--repeats`` calls (before every call the L2 is flushed and the GPU held busy until
+the host has queued the call: ``Bench.time_ms``), its peak memory beyond the inputs, its max |logp - float64| on 64
+rows, and whether 7 rows alone give the bits they have inside the T-row call.
 ``kernels.logprob`` and ``kernels.matmul`` are timed a second way too: given ``checks=`` and read after the call,
 and back to back (50 calls on inputs rotated past L2, the checks read once after them) beside a copy and cuBLAS
 timed the same way; for ``kernels.logprob`` also its kernels alone and the host time of one call. Then forward +
@@ -39,6 +40,7 @@ V, H, LOGIT_STD = 151936, 4096, 4.0
 PROBE = [0, 1, 2, 5, 31, 48, 63]  # rows checked alone against the full call (all < 64, so every T has them)
 ACCURACY_ROWS = 64
 FLUSH_BYTES = 512 << 20  # more than the H200's 50 MB L2, written before every timed call
+HOLD_CYCLES = 2_000_000  # GPU clock cycles (about 1 ms) the device spins after the flush, before the timed call
 
 
 class Bench:
@@ -47,12 +49,16 @@ class Bench:
         self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
 
     def time_ms(self, fn: Callable[[], object]) -> float:
-        """Median CUDA-event time of ``fn`` over ``repeats`` calls, each after an L2 flush (not timed)."""
+        """Median CUDA-event time of ``fn`` over ``repeats`` calls, each after an L2 flush and a hold (neither timed):
+        the device spins (``torch.cuda._sleep``) until the host has queued the call, so the span times the work the
+        call queues and any wait it makes for the device, not the host's pace before its first launch; that pace
+        is the host-time row (``host_ms``). A call that waits still pays its return after the wait."""
         fn()
         fn()
         times = []
         for _ in range(self.repeats):
             self.flush.zero_()
+            torch.cuda._sleep(HOLD_CYCLES)
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
