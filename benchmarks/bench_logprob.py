@@ -40,7 +40,7 @@ V, H, LOGIT_STD = 151936, 4096, 4.0
 PROBE = [0, 1, 2, 5, 31, 48, 63]  # rows checked alone against the full call (all < 64, so every T has them)
 ACCURACY_ROWS = 64
 FLUSH_BYTES = 512 << 20  # more than the H200's 50 MB L2, written before every timed call
-HOLD_CYCLES = 2_000_000  # GPU clock cycles (about 1 ms) the device spins after the flush, before the timed call
+HOLD_CYCLES = 500_000  # GPU clock cycles (about 0.25 ms) the device spins after the flush, before the timed call
 
 
 class Bench:
