@@ -50,9 +50,10 @@ class Bench:
 
     def time_ms(self, fn: Callable[[], object]) -> float:
         """Median CUDA-event time of ``fn`` over ``repeats`` calls, each after an L2 flush and a hold (neither timed):
-        the device spins (``torch.cuda._sleep``) until the host has queued the call, so the span times the work the
-        call queues and any wait it makes for the device, not the host's pace before its first launch; that pace
-        is the host-time row (``host_ms``). A call that waits still pays its return after the wait."""
+        the device spins for HOLD_CYCLES (``torch.cuda._sleep``), which with the flush outlasts the host's time to
+        queue one call here, so the span times the work the call queues and any wait it makes for the device, not
+        the host's pace before its first launch; that pace is the host-time row (``host_ms``). A call that waits
+        still pays its return after the wait."""
         fn()
         fn()
         times = []
