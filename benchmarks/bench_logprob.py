@@ -5,9 +5,9 @@ Usage: python benchmarks/bench_logprob.py [--tokens 64 16384] [--repeats 20] [--
 For each token count T (V = 151936, H = 4096, bf16 inputs, logits of std 4): the bandwidth floor of reading the
 [T, V] bf16 logits, ``kernels.logprob`` on materialized logits, ``kernels.matmul`` against cuBLAS, and
 ``kernels.lm_head_logprob`` (triton, triton_fused, aten) beside Liger-Kernel's fused linear cross-entropy forward;
-each with its median time over ``--repeats`` calls (before every call the L2 is flushed and the GPU held busy until
-the host has queued the call: ``Bench.time_ms``), its peak memory beyond the inputs, its max |logp - float64| on 64
-rows, and whether 7 rows alone give the bits they have inside the T-row call.
+each with its median time over ``--repeats`` calls (before every call the L2 is flushed and, at decode sizes, the GPU
+held busy until the host has queued the call: ``Bench.time_ms``), its peak memory beyond the inputs, its max
+|logp - float64| on 64 rows, and whether 7 rows alone give the bits they have inside the T-row call.
 ``kernels.logprob`` and ``kernels.matmul`` are timed a second way too: given ``checks=`` and read after the call,
 and back to back (50 calls on inputs rotated past L2, the checks read once after them) beside a copy and cuBLAS
 timed the same way; for ``kernels.logprob`` also its kernels alone and the host time of one call. Then forward +
@@ -41,25 +41,30 @@ PROBE = [0, 1, 2, 5, 31, 48, 63]  # rows checked alone against the full call (al
 ACCURACY_ROWS = 64
 FLUSH_BYTES = 512 << 20  # more than the H200's 50 MB L2, written before every timed call
 HOLD_CYCLES = 500_000  # GPU clock cycles (about 0.25 ms) the device spins after the flush, before the timed call
+HOLD_UP_TO_TOKENS = 1024  # calls this small hold the GPU (their host time outlasts the flush); larger ones do not
 
 
 class Bench:
     def __init__(self, repeats: int):
         self.repeats = repeats
         self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+        self.hold_cycles = HOLD_CYCLES
 
     def time_ms(self, fn: Callable[[], object]) -> float:
         """Median CUDA-event time of ``fn`` over ``repeats`` calls, each after an L2 flush and a hold (neither timed):
-        the device spins for HOLD_CYCLES (``torch.cuda._sleep``), which with the flush outlasts the host's time to
-        queue one call here, so the span times the work the call queues and any wait it makes for the device, not
-        the host's pace before its first launch; that pace is the host-time row (``host_ms``). A call that waits
-        still pays its return after the wait."""
+        the device spins for ``hold_cycles`` (``torch.cuda._sleep``), which with the flush outlasts the host's time
+        to queue one call here, so the span times the work the call queues and any wait it makes for the device,
+        not the host's pace before its first launch; that pace is the host-time row (``host_ms``). A call that waits
+        still pays its return after the wait. Calls of more than HOLD_UP_TO_TOKENS rows are not held: their work
+        outlasts the host's, and after a hold the H200 ran T = 16384's kernels 20 µs slower and a waiting call
+        returned 70 – 95 µs later (docs/benchmarks.md)."""
         fn()
         fn()
         times = []
         for _ in range(self.repeats):
             self.flush.zero_()
-            torch.cuda._sleep(HOLD_CYCLES)
+            if self.hold_cycles:
+                torch.cuda._sleep(self.hold_cycles)
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
@@ -67,6 +72,10 @@ class Bench:
             torch.cuda.synchronize()
             times.append(start.elapsed_time(stop))
         return statistics.median(times)
+
+    def hold_for(self, tokens: int) -> None:
+        """Hold the GPU before each timed call of ``tokens`` rows (``time_ms``) at decode sizes only."""
+        self.hold_cycles = HOLD_CYCLES if tokens <= HOLD_UP_TO_TOKENS else 0
 
     def stream_ms(self, fn: Callable[[int], object], calls: int = 50) -> float:
         """Median over ``repeats // 4`` batches of the CUDA-event time per call of ``calls`` back-to-back calls
@@ -337,6 +346,7 @@ def tune(bench: Bench, kinds: list[str], out: list[dict]) -> None:
 
 def tune_at(bench: Bench, tokens: int, matmul_candidates, fused_candidates, partial_candidates, out) -> None:
     hidden, weight, targets = inputs(tokens)
+    bench.hold_for(tokens)
     cublas_ms = bench.time_ms(lambda: hidden @ weight.T)
     for tiling in matmul_candidates:
         triton_backend.CUDA_TILING[torch.bfloat16] = tiling
@@ -406,6 +416,7 @@ def main() -> int:
         reference = kernels.lm_head_logprob(h[:ACCURACY_ROWS], w, t[:ACCURACY_ROWS], backend="reference").logp
         del h, w, t
         torch.cuda.empty_cache()
+        bench.hold_for(tokens)
         rows += measure(bench, tokens, args.vocab_tile, args.fused_tile, reference)
         torch.cuda.empty_cache()
     env = {
