@@ -57,7 +57,7 @@ class Bench:
         not the host's pace before its first launch; that pace is the host-time row (``host_ms``). A call that waits
         still pays its return after the wait. Calls of more than HOLD_UP_TO_TOKENS rows are not held: their work
         outlasts the host's, and after a hold the H200 ran T = 16384's kernels 20 µs slower and a waiting call
-        returned 70 – 95 µs later (docs/benchmarks.md)."""
+        took 94 µs longer (docs/benchmarks.md)."""
         fn()
         fn()
         times = []
