@@ -64,7 +64,8 @@ class WholeVocab:
 
 
 class LogprobBackend(Protocol):
-    """The three op nodes; optionally ``max_vocab_tile(device) -> int``, checked before any launch."""
+    """The three op nodes; optionally ``max_vocab_tile(device) -> int`` and ``max_vocab_columns``, the widest
+    padded vocab its kernels can index, both checked before any launch (``kernels.ranks.check_vocab_geometry``)."""
 
     id: str
     declared_kernels: Mapping[str, frozenset[str]]  # op node -> the kernel names it may launch

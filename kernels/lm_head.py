@@ -23,7 +23,7 @@ from kernels.errors import KernelInputError, ShapeMismatchError
 from kernels.provenance import NodeProvenance, call_node
 from kernels.ranks import (
     LogprobResult,
-    check_vocab_tile,
+    check_vocab_geometry,
     finish,
     rank_forward,
     rank_logprob,
@@ -75,7 +75,7 @@ def logprob(
         check_logits_inputs(logits, targets, pending, values=not in_kernel)
         vocab = logits.shape[1]
         sharding = ShardingSpec.even(vocab, vocab_tile, 1)
-        check_vocab_tile(impl, vocab_tile, logits.device)
+        check_vocab_geometry(impl, sharding, logits.device)
         # The partials are launched first: a rank owns only targets inside its shard, so an out-of-range one is
         # never read there; the range check and its safe targets are queued while the kernel runs, before
         # ``finish`` uses them.
@@ -149,7 +149,7 @@ def sharded_lm_head_logprob(
             raise ShapeMismatchError(
                 f"weight has {weight.shape[0]} vocab rows but the sharding splits a vocab of {sharding.vocab_size}"
             )
-        check_vocab_tile(impl, sharding.vocab_tile, hidden.device)
+        check_vocab_geometry(impl, sharding, hidden.device)
         targets = check_target_range(targets, sharding.vocab_size, pending)
         wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
         tiled = grad.has_tiled_backward(impl)  # else a backend of torch ops, which autograd differentiates itself

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kernels.backend import LogprobBackend, ShardPartials, WholeVocab
-from kernels.errors import NonFiniteOutputError, TPConfigError
+from kernels.errors import NonFiniteOutputError, ShapeMismatchError, TPConfigError
 from kernels.provenance import NodeProvenance, Provenance, across_ranks, call_node
 from kernels.sharding import ShardingSpec
 from kernels.validation import (
@@ -56,13 +56,20 @@ class RankOutput:
     tp_merge: NodeProvenance | None = None  # the record of that merge
 
 
-def check_vocab_tile(impl: LogprobBackend, vocab_tile: int, device: torch.device) -> None:
-    """TPConfigError, before any launch, for a tile wider than the backend's kernels can hold on ``device``."""
+def check_vocab_geometry(impl: LogprobBackend, sharding: ShardingSpec, device: torch.device) -> None:
+    """Before any launch: TPConfigError for a tile wider than the backend's kernels can hold on ``device``
+    (``max_vocab_tile``), ShapeMismatchError for a padded vocab wider than they can index (``max_vocab_columns``)."""
     limit = impl.max_vocab_tile(device) if hasattr(impl, "max_vocab_tile") else None
-    if limit is not None and vocab_tile > limit:
+    if limit is not None and sharding.vocab_tile > limit:
         raise TPConfigError(
-            f"vocab_tile={vocab_tile} is wider than backend {impl.id!r} can reduce on {device.type}: its kernels "
-            f"hold at most {limit} vocab columns per program there; use a power of two in [16, {limit}]"
+            f"vocab_tile={sharding.vocab_tile} is wider than backend {impl.id!r} can reduce on {device.type}: its "
+            f"kernels hold at most {limit} vocab columns per program there; use a power of two in [16, {limit}]"
+        )
+    columns = getattr(impl, "max_vocab_columns", None)
+    if columns is not None and sharding.padded_vocab_size > columns:
+        raise ShapeMismatchError(
+            f"a vocab of {sharding.vocab_size} columns (padded to {sharding.padded_vocab_size}) is wider than "
+            f"backend {impl.id!r} can reduce: its kernels index at most {columns} columns"
         )
 
 

@@ -135,6 +135,8 @@ def kernels_for(device_type: str) -> tuple[ModuleType, bool]:
 class TritonBackend:
     id: str
     checks_finite_logits = True  # a non-finite logit makes its tile's sum NaN (tile_partials_kernel)
+    # Column indices are int32, and merge_tiles' int64 fixed-point sum stays below 2**63 under 2**31 columns.
+    max_vocab_columns = 2**31 - 1
 
     def logits_dtype(self, execution_dtype: torch.dtype) -> torch.dtype:
         """Where this backend's logits are rounded: the execution dtype (the fused head keeps them fp32)."""

@@ -146,6 +146,30 @@ def test_vocab_tile_wider_than_a_triton_block_is_refused_before_any_launch(monke
 
 
 @pytest.mark.interpreter
+def test_a_vocab_wider_than_the_triton_kernels_index_is_refused_before_any_work(monkeypatch):
+    """2**31 columns would overflow the kernels' int32 column index and their fixed-point sum: refused up front,
+    naming the width, for every call and Triton backend (the logits below are never written or read)."""
+    from kernels import triton_backend
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a kernel was launched")
+
+    monkeypatch.setattr(triton_backend, "launch_triton", no_launch)
+    logits = torch.empty((1, 2**31), dtype=torch.bfloat16)
+    with pytest.raises(kernels.ShapeMismatchError, match=r"vocab of 2147483648 columns .* at most 2147483647"):
+        kernels.logprob(logits, torch.zeros(1, dtype=torch.int64), backend="triton")
+    hidden, weight, targets = good_inputs(vocab=300)
+    for backend in ("triton", "triton_fused"):
+        monkeypatch.setattr(type(kernels.BACKENDS[backend]), "max_vocab_columns", 319)
+        with pytest.raises(kernels.ShapeMismatchError, match=rf"vocab of 300 columns \(padded to 320\).*'{backend}'"):
+            kernels.lm_head_logprob(hidden, weight, targets, backend=backend, vocab_tile=64)
+    monkeypatch.undo()
+    for backend in ("triton", "triton_fused"):  # with a limit one column wider the same call runs
+        monkeypatch.setattr(type(kernels.BACKENDS[backend]), "max_vocab_columns", 320)
+        kernels.lm_head_logprob(hidden, weight, targets, backend=backend, vocab_tile=64)
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("backend", ["triton", "aten"])
 def test_caller_owned_checks_raise_when_the_caller_reads_them(backend):
     """A call given ``checks`` returns without waiting; the caller's raise_first() raises what the call would have,
