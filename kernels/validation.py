@@ -56,7 +56,8 @@ class ValueChecks:
         self._pending.append((total, explain, True))
 
     def send(self) -> None:
-        """Copy the verdicts queued so far to pinned host memory, queued on the current CUDA stream; once only."""
+        """Copy the verdicts queued so far to pinned host memory, on a side stream (``verdict_stream``) that waits
+        for the current stream's work so far; once only."""
         values = [value for value, _, _ in self._pending]
         if self._sent is not None or not values:
             return
