@@ -90,7 +90,7 @@ class ValueChecks:
             on_host.append(host)
         rest = [value for value, _, _ in pending[checks_sent:]]
         if rest:  # the call's one wait for the device
-            on_host.append(flattened(rest).cpu())
+            on_host.append(verdicts_to_host(flattened(rest)))
         read = on_host[0] if len(on_host) == 1 else torch.cat(on_host)
         sizes = [value.numel() for value, _, _ in pending]
         if read.numel() != sum(sizes):  # never expected: a verdict read short would pass unseen
@@ -100,6 +100,12 @@ class ValueChecks:
             words, at = (read if size == read.numel() else read[at : at + size]), at + size
             if verdict_failed(words, is_sum):
                 explain()
+
+
+def verdicts_to_host(verdicts: torch.Tensor) -> torch.Tensor:
+    """``verdicts`` on the host, read by a call's one wait for the device: ``.cpu()``, a copy into pageable memory
+    that returns once it has landed. ``benchmarks/bench_wait.py`` times this read beside others on a GPU."""
+    return verdicts.cpu()
 
 
 SMALL_VERDICT = 64  # up to this many values a verdict is read as a Python list, past it by a torch op on the host
