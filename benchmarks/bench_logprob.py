@@ -55,9 +55,9 @@ class Bench:
         the device spins for ``hold_cycles`` (``torch.cuda._sleep``), which with the flush outlasts the host's time
         to queue one call here, so the span times the work the call queues and any wait it makes for the device,
         not the host's pace before its first launch; that pace is the host-time row (``host_ms``). A call that waits
-        still pays its return after the wait. Calls of more than HOLD_UP_TO_TOKENS rows are not held: their work
-        outlasts the host's, and after a hold the H200 ran T = 16384's kernels 20 µs slower and a waiting call
-        took 94 µs longer (docs/benchmarks.md)."""
+        still pays its return after the wait; what it returns is freed after the span, as a caller keeps it. Calls
+        of more than HOLD_UP_TO_TOKENS rows are not held: their work outlasts the host's, and after a hold the H200
+        ran T = 16384's kernels 20 µs slower and a waiting call took 94 µs longer (docs/benchmarks.md)."""
         fn()
         fn()
         times = []
@@ -67,9 +67,10 @@ class Bench:
                 torch.cuda._sleep(self.hold_cycles)
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            out = fn()
             stop.record()
             torch.cuda.synchronize()
+            del out  # what the call returned is freed when its caller lets go of it, after the span
             times.append(start.elapsed_time(stop))
         return statistics.median(times)
 
