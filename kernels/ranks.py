@@ -113,9 +113,17 @@ def explain_status(
 ) -> None:
     bits = functools.reduce(operator.or_, status.tolist(), 0)
     if bits & 1:
-        explain_target_range(targets, out_of_range(targets, vocab_size), vocab_size)
+        bad = out_of_range(targets, vocab_size)
+        if bool(bad.any()):
+            explain_target_range(targets, bad, vocab_size)
     if bits & 2:
         explain_nonfinite_row(result, execution_dtype, first)
+    # A status word is the kernel's own verdict, not a screen that can raise a false alarm: one that nothing explains
+    # means the kernel did not compute what the call checked, so its outputs are not returned.
+    raise RuntimeError(
+        f"the kernel's status words hold {bits:#x} (bit 0: a target out of range, bit 1: a non-finite output), but "
+        f"every target is in range and every output finite: its outputs are not to be trusted"
+    )
 
 
 def explain_nonfinite_row(

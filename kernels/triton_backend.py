@@ -281,6 +281,7 @@ class TritonBackend:
         ``tile_partials_kernel`` then ``whole_vocab_finish_kernel``. The tiles and the merge are those of
         ``shard_partials`` then ``merge`` either way, so the bits are the same at every TP degree."""
         kernels_module, interpreted = load_kernels(logits.device)
+        targets = targets.contiguous()  # the kernels read targets[row] at target_ptr + row
         rows, vocab = logits.shape
         if rows > ONE_LAUNCH_ROWS:
             return self.whole_vocab_in_two(kernels_module, interpreted, logits, targets, sharding)

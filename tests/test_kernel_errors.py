@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICES
+from conftest import DEVICES, triton_runs_on
 
 import kernels
 
@@ -228,3 +228,25 @@ def test_checks_must_be_value_checks():
     hidden, weight, _ = good_inputs()
     with pytest.raises(kernels.KernelInputError, match=r"checks must be a kernels.ValueChecks or None, got list"):
         kernels.matmul(hidden, weight, backend="aten", checks=[])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_a_status_word_nothing_explains_fails_the_call(bits, monkeypatch):
+    """The Triton kernels' status words are their own verdict: a flag that no bad target or non-finite output
+    explains means the kernel did not compute what was checked, so the call raises rather than returns."""
+    from kernels.triton_backend import TritonBackend
+
+    if not triton_runs_on("cpu"):
+        pytest.skip("triton needs CUDA or TRITON_INTERPRET=1")
+    whole_vocab = TritonBackend.whole_vocab
+
+    def flagged(self, logits, targets, sharding):
+        whole, *records = whole_vocab(self, logits, targets, sharding)
+        whole.status.fill_(bits)
+        return (whole, *records)
+
+    monkeypatch.setattr(TritonBackend, "whole_vocab", flagged)
+    hidden, weight, targets = good_inputs(vocab=300)
+    with pytest.raises(RuntimeError, match=rf"status words hold {bits:#x}.*not to be trusted"):
+        kernels.logprob(hidden @ weight.T, targets, backend="triton", vocab_tile=64)

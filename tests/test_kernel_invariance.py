@@ -183,6 +183,42 @@ def test_triton_distributed_gloo_equals_emulated(backend, tp, make_inputs):
         assert kernels.first_bit_difference(a.double(), b.double()) is None, f"{name} differs (seed {inp.seed})"
 
 
+def strided_targets(targets: torch.Tensor, layout: str) -> torch.Tensor:
+    """The same target values in another memory layout."""
+    if layout == "every other element":
+        spread = torch.full((2 * targets.numel(),), -7, dtype=targets.dtype, device=targets.device)
+        spread[::2] = targets
+        return spread[::2]
+    if layout == "a column of [T, 2]":
+        return torch.stack([targets, torch.full_like(targets, -7)], dim=1)[:, 0]
+    return targets[:1].expand(targets.numel())  # "one element expanded": stride 0
+
+
+@pytest.mark.parametrize("layout", ["every other element", "a column of [T, 2]", "one element expanded"])
+@pytest.mark.parametrize("call", ["logprob", "lm_head_logprob"])
+@pytest.mark.parametrize("backend", ["triton", "triton_fused", "aten"])
+def test_targets_in_any_memory_layout_give_the_bits_of_a_contiguous_copy(backend, call, layout, device, make_inputs):
+    if backend.startswith("triton") and not triton_runs_on(device):
+        pytest.skip("triton needs CUDA or TRITON_INTERPRET=1")
+    inp = make_inputs(37, HIDDEN, VOCAB, torch.bfloat16, device)
+    targets = inp.targets.clone()
+    targets[5] = kernels.IGNORE_INDEX
+    strided = strided_targets(targets, layout)
+    assert not strided.is_contiguous()
+
+    def run(t):
+        if call == "logprob":
+            logits, _ = kernels.matmul(inp.hidden, inp.weight, backend="aten")
+            return kernels.logprob(logits, t, backend=backend, vocab_tile=TILE)
+        return kernels.lm_head_logprob(inp.hidden, inp.weight, t, backend=backend, vocab_tile=TILE)
+
+    want, got = run(strided.contiguous()), run(strided)
+    for name in ("logp", "lse"):
+        index = kernels.first_bit_difference(getattr(want, name), getattr(got, name))
+        assert index is None, f"{name} row {index} differs with the targets laid out as {layout} (seed {inp.seed})"
+    assert torch.equal(want.active, got.active) and torch.equal(want.owner_rank, got.owner_rank), layout
+
+
 @pytest.mark.interpreter
 def test_one_rank_group_serves_many_calls_and_follows_a_new_weight(make_inputs):
     if not triton_runs_on("cpu"):
