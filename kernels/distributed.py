@@ -20,6 +20,7 @@ import contextlib
 import queue
 import tempfile
 import traceback
+import weakref
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import replace
@@ -35,6 +36,7 @@ from kernels.errors import ShapeMismatchError, TPConfigError
 from kernels.grad import Upstream, rank_gradients
 from kernels.ranks import LogprobResult, RankOutput, finish, rank_forward
 from kernels.sharding import ShardingSpec
+from kernels.validation import version_stamp
 
 POLL_SECONDS = 1.0  # how often the caller checks that every rank process is still alive
 STOP = "stop"
@@ -58,7 +60,7 @@ class RankGroup:
         get_backend(backend)  # an unknown id fails here, before any process starts
         self.sharding = sharding.for_rank(0)  # every rank derives its own view from the same split
         self.key = (backend, self.sharding, device_type)
-        self.weight_key: tuple | None = None
+        self.weight_sent: tuple[weakref.ref, tuple | None] | None = None  # the weight the ranks hold, and its stamp
         self._workdir = tempfile.TemporaryDirectory(prefix="rlsweep-tp-")
         context = mp.get_context("spawn")
         self._requests = [context.Queue() for _ in range(tp)]
@@ -105,14 +107,16 @@ class RankGroup:
                 f"weight must be [V, H] with V={self.sharding.vocab_size} (the group's vocab split), "
                 f"got shape {tuple(weight.shape)}"
             )
-        # Same storage, shape and in-place version counter: the ranks already hold this weight.
-        weight_key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, str(weight.device), weight._version)
+        # The same tensor object, unchanged since it was sent: the ranks already hold this weight. A new tensor
+        # that reuses a freed one's memory is another object, so it is sent.
+        stamp = version_stamp(weight)
+        held = self.weight_sent is not None and self.weight_sent[0]() is weight and self.weight_sent[1] == stamp
         # Copies: the queue moves a CPU tensor's storage into shared memory, which must not be the caller's.
-        new_weight = None if weight_key == self.weight_key else weight.detach().to("cpu", copy=True)
+        new_weight = None if held and stamp is not None else weight.detach().to("cpu", copy=True)
         message = (kind, hidden.detach().to("cpu", copy=True), targets.to("cpu", copy=True), new_weight, *extra)
         for requests in self._requests:
             requests.put(message)
-        self.weight_key = weight_key
+        self.weight_sent = (weakref.ref(weight), stamp)
         return self._collect()
 
     def _collect(self) -> list:

@@ -174,8 +174,17 @@ def sharded_lm_head_logprob(
         if wants_grad and tiled:
             logp, lse = grad.TiledLogprobBackward.apply(hidden, weight, result.logp, result.lse, targets, gradients)
             result = replace(result, logp=logp, lse=lse)
-        require_finite(result, hidden.dtype, pending)  # in the caller's process: typed in both tp modes
+        # In the caller's process, typed in both tp modes. The inputs are looked at again before an overflow is
+        # blamed: a weight checked once may since have been written where its version counter does not see.
+        name_input = functools.partial(check_finite_inputs, {"hidden": hidden, "weight": weight})
+        require_finite(result, hidden.dtype, pending, first=name_input)
         return result
+
+
+def check_finite_inputs(tensors: dict[str, torch.Tensor]) -> None:
+    """``check_finite`` of each named input, at once, in order."""
+    for name, tensor in tensors.items():
+        check_finite(name, tensor)
 
 
 def emulated(

@@ -238,20 +238,31 @@ def explain_nonfinite(name: str, tensor: torch.Tensor) -> None:
         raise NonFiniteInputError(f"{name} holds a non-finite value {tensor[index].item()} at index {index}")
 
 
-# id(tensor) -> the stamp it had when found finite. A weight is checked once, not on every call: reading a
-# 151936 x 4096 head costs as much as a decode-size matmul. Any in-place change bumps the tensor's version
-# counter (shared by its views), and a new storage changes data_ptr, so either is checked again.
+def version_stamp(tensor: torch.Tensor) -> tuple | None:
+    """What says a tensor object still holds the values it held, without reading them: its in-place version counter
+    (bumped by every in-place op on it or a view of it), storage, shape, strides, dtype and device; compared for the
+    same object only (``id``, kept while the object lives). None for an inference tensor, which counts no versions:
+    it is never taken as unchanged. Writes that bypass the counter (through ``.data`` or a NumPy array sharing the
+    memory) are not seen (docs/kernels.md#errors)."""
+    if tensor.is_inference():
+        return None
+    return (tensor._version, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device)
+
+
+# id(tensor) -> its version_stamp when found finite. A weight is checked once, not on every call: reading a
+# 151936 x 4096 head costs as much as a decode-size matmul.
 _FINITE: dict[int, tuple] = {}
 
 
 def check_finite_once(name: str, tensor: torch.Tensor) -> None:
-    """``check_finite``, skipped for a tensor already found finite and not modified since. The first sight of a
-    tensor is checked at once (it is remembered only once found finite); later calls queue nothing."""
-    key = id(tensor)
-    stamp = (tensor._version, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device)
-    if _FINITE.get(key) == stamp:
+    """``check_finite``, skipped for a tensor already found finite and unchanged since (``version_stamp``). The first
+    sight of a tensor is checked at once (it is remembered only once found finite); later calls queue nothing."""
+    key, stamp = id(tensor), version_stamp(tensor)
+    if stamp is not None and _FINITE.get(key) == stamp:
         return
     check_finite(name, tensor)
+    if stamp is None:
+        return
     if key not in _FINITE:
         weakref.finalize(tensor, _FINITE.pop, key, None)
     _FINITE[key] = stamp

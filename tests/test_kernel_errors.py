@@ -250,3 +250,36 @@ def test_a_status_word_nothing_explains_fails_the_call(bits, monkeypatch):
     hidden, weight, targets = good_inputs(vocab=300)
     with pytest.raises(RuntimeError, match=rf"status words hold {bits:#x}.*not to be trusted"):
         kernels.logprob(hidden @ weight.T, targets, backend="triton", vocab_tile=64)
+
+
+@pytest.mark.parametrize("backend", ["aten", "triton", "triton_fused"])
+def test_inference_tensors_are_accepted_and_checked_on_every_call(backend):
+    """A weight made under torch.inference_mode (as a rollout engine's is) counts no versions, so it is never
+    taken as unchanged since its last check: a NaN written into it in place is found on the next call."""
+    if backend.startswith("triton") and not triton_runs_on("cpu"):
+        pytest.skip("triton needs CUDA or TRITON_INTERPRET=1")
+    with torch.inference_mode():
+        hidden, weight, targets = good_inputs(vocab=300)
+    for _ in range(2):  # the second call finds it unchanged, were inference tensors counted
+        kernels.lm_head_logprob(hidden, weight, targets, backend=backend, vocab_tile=64)
+        kernels.matmul(hidden, weight, backend=backend)
+    with torch.inference_mode():
+        weight[17, 3] = float("nan")
+    with pytest.raises(kernels.NonFiniteInputError, match=r"weight holds a non-finite value nan at index \(17, 3\)"):
+        kernels.lm_head_logprob(hidden, weight, targets, backend=backend, vocab_tile=64)
+    with pytest.raises(kernels.NonFiniteInputError, match=r"weight holds a non-finite value nan at index \(17, 3\)"):
+        kernels.matmul(hidden, weight, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["aten", "triton", "triton_fused"])
+def test_an_overflow_is_not_blamed_while_an_input_holds_a_non_finite_value(backend):
+    """A weight is checked once per version; a write its version counter does not see (through ``.data``) is found
+    when an output is not finite, and named as the input it is rather than as an overflow of finite inputs."""
+    if backend.startswith("triton") and not triton_runs_on("cpu"):
+        pytest.skip("triton needs CUDA or TRITON_INTERPRET=1")
+    hidden, weight, targets = good_inputs()
+    hidden = -hidden.abs() - 0.1  # every logit of row v gets -weight[v, 0] * |hidden[:, 0]|: +inf below
+    kernels.lm_head_logprob(hidden, weight, targets, backend=backend, vocab_tile=16)
+    weight.data[7, 0] = float("-inf")
+    with pytest.raises(kernels.NonFiniteInputError, match=r"weight holds a non-finite value -inf at index \(7, 0\)"):
+        kernels.lm_head_logprob(hidden, weight, targets, backend=backend, vocab_tile=16)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 
+import numpy as np
 import pytest
 import torch
 from conftest import triton_runs_on
@@ -237,6 +238,29 @@ def test_one_rank_group_serves_many_calls_and_follows_a_new_weight(make_inputs):
         for name in ("logp", "lse"):
             index = kernels.first_bit_difference(getattr(want, name), getattr(got, name))
             assert index is None, f"{name} row {index} differs (seeds {first.seed}, {second.seed})"
+
+
+def test_one_rank_group_follows_a_new_weight_in_a_freed_ones_memory(make_inputs):
+    """The ranks keep the weight they were sent; a new tensor is sent again, even at the same address, version,
+    shape and dtype as the one before it (a loader that refills one buffer each step and wraps it anew), and so is
+    an inference tensor, which counts no versions."""
+    vocab, hidden, tile = 64, 16, 16
+    inp = make_inputs(6, hidden, vocab, torch.float32, "cpu")
+    rng = np.random.default_rng(secrets.randbits(31))
+    memory = np.empty((vocab, hidden), dtype=np.float32)
+    with kernels.distributed_ranks("aten", kernels.ShardingSpec.even(vocab, tile, 2), device_type="cpu"):
+        for step in range(4):
+            memory[:] = rng.normal(0, (1 + step) / hidden**0.5, size=memory.shape)
+            weight = torch.from_numpy(memory)  # each step a new tensor, at the same address, at version 0
+            if step == 3:
+                with torch.inference_mode():
+                    weight = weight.clone()
+            for call in range(2):
+                got = kernels.lm_head_logprob(inp.hidden, weight, inp.targets, backend="aten", tp=2,
+                                              tp_mode="distributed", vocab_tile=tile)  # fmt: skip
+                want = kernels.lm_head_logprob(inp.hidden, weight, inp.targets, backend="aten", tp=2, vocab_tile=tile)
+                index = kernels.first_bit_difference(want.logp, got.logp)
+                assert index is None, f"step {step} call {call}: logp row {index} is a stale weight's (seed {inp.seed})"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA: the decode tiling is the compiled TMA path's")
