@@ -20,7 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.validation import IGNORE_INDEX
+from kernels.errors import DtypeMismatchError, ShapeMismatchError
+from kernels.validation import (
+    IGNORE_INDEX,
+    ValueChecks,
+    check_lm_head_inputs,
+    check_target_range,
+    dtype_name,
+)
 
 FP32_UNIT_ROUNDOFF = 2.0**-24
 # Significand bits (with the implicit one) and the smallest normal exponent of each logits dtype.
@@ -73,6 +80,7 @@ def rounding_bound(
 
     Computed where the inputs live, a chunk of rows at a time, so the float64 working set stays small.
     """
+    check_bound_inputs(hidden, weight, targets, logits_dtype)
     vocab = weight.shape[0]
     chunk = max(1, BOUND_CHUNK_ELEMENTS // max(vocab, 1))
     logp_parts, lse_parts = [], []
@@ -90,6 +98,20 @@ def rounding_bound(
         lse_parts.append((spread + arithmetic).cpu())
         logp_parts.append(torch.where(active, e_t + spread + arithmetic, torch.zeros_like(spread)).cpu())
     return RoundingBound(torch.cat(logp_parts), torch.cat(lse_parts))
+
+
+def check_bound_inputs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, logits_dtype: torch.dtype
+) -> None:
+    """The inputs ``lm_head_logprob`` takes, checked as it checks them (the values at once), and a logits dtype the
+    model knows: a bound of other inputs would be a bound of nothing the kernels compute."""
+    if logits_dtype not in SIGNIFICAND_BITS:
+        known = ", ".join(dtype_name(dtype) for dtype in SIGNIFICAND_BITS)
+        raise DtypeMismatchError(f"logits_dtype must be a torch dtype of {known}; got {logits_dtype!r}")
+    checks = ValueChecks()
+    check_lm_head_inputs(hidden, weight, targets, checks)
+    check_target_range(targets, weight.shape[0], checks)
+    checks.raise_first()
 
 
 @dataclass(frozen=True)
@@ -132,6 +154,13 @@ def gradient_bound(
     weight is rounded to the inputs' dtype on its own, with T its own rows, and the caller sums the calls' d weight
     in fp32 (gamma(calls) of their magnitudes more); d hidden does not change, as each row is in one call.
     """
+    check_bound_inputs(hidden, weight, targets, logits_dtype)
+    for name, upstream in (("g_logp", g_logp), ("g_lse", g_lse)):
+        if upstream.shape != targets.shape or upstream.device != targets.device:
+            raise ShapeMismatchError(
+                f"{name} must be [T] with T={targets.shape[0]} on {targets.device}, got shape "
+                f"{tuple(upstream.shape)} on {upstream.device}"
+            )
     u = FP32_UNIT_ROUNDOFF
     h, w = hidden.double(), weight.double()
     rows, vocab = h.shape[0], w.shape[0]
@@ -146,7 +175,7 @@ def gradient_bound(
     calls = [every_row] if calls is None else [torch.as_tensor(c, device=h.device).long() for c in calls]
     covered = torch.sort(torch.cat(calls)).values if calls else every_row[:0]
     if covered.shape != every_row.shape or not bool((covered == every_row).all()):
-        raise ValueError(f"calls must partition the {rows} rows, each row in exactly one call")
+        raise ShapeMismatchError(f"calls must partition the {rows} rows, each row in exactly one call")
     summed = gamma(len(calls)) if len(calls) > 1 else 0.0  # the caller's fp32 sum of the calls' d weight
     d_hidden = torch.zeros_like(h)
     bound_hidden = torch.zeros_like(h)

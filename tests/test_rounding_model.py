@@ -19,6 +19,53 @@ from kernels.provenance import observe
 from kernels.rounding import half_ulp
 
 
+def bound_inputs():
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(4, 16, generator=gen), torch.randn(50, 16, generator=gen), torch.tensor([0, 49, -100, 7])
+
+
+def with_value(tensor: torch.Tensor, index, value) -> torch.Tensor:
+    changed = tensor.clone()
+    changed[index] = value
+    return changed
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error", "match"),
+    [
+        (lambda h, w, t, d: (h, w, with_value(t, 1, 50), d), kernels.TargetOutOfRangeError, r"target id 50 at row 1"),
+        (lambda h, w, t, d: (h, w, with_value(t, 3, -5), d), kernels.TargetOutOfRangeError, r"target id -5 at row 3"),
+        (lambda h, w, t, d: (h, w, t[:3], d), kernels.ShapeMismatchError, r"targets must be \[T\] with T=4"),
+        (lambda h, w, t, d: (h, w, torch.cat([t, t]), d), kernels.ShapeMismatchError, r"targets must be \[T\]"),
+        (lambda h, w, t, d: (h[:, :8], w, t, d), kernels.ShapeMismatchError, r"hidden size differs"),
+        (lambda h, w, t, d: (with_value(h, (2, 3), math.nan), w, t, d), kernels.NonFiniteInputError, r"hidden"),
+        (lambda h, w, t, d: (h, w, t, "bfloat16"), kernels.DtypeMismatchError, r"logits_dtype must be a torch dtype"),
+        (lambda h, w, t, d: (h, w, t, torch.float64), kernels.DtypeMismatchError, r"bfloat16, float16, float32"),
+    ],
+    ids=["target-V", "target-negative", "short-targets", "long-targets", "hidden-size", "nan", "dtype-name", "fp64"],
+)
+@pytest.mark.parametrize("bound", ["rounding_bound", "gradient_bound"])
+def test_the_bounds_refuse_inputs_the_kernels_refuse(bound, mutate, error, match):
+    """A bound of inputs no kernel accepts bounds nothing: the same typed errors, naming the value."""
+    hidden, weight, targets, logits_dtype = mutate(*bound_inputs(), torch.bfloat16)
+    upstream = torch.ones(targets.shape)
+    with pytest.raises(error, match=match):
+        if bound == "rounding_bound":
+            kernels.rounding_bound(hidden, weight, targets, logits_dtype=logits_dtype)
+        else:
+            kernels.gradient_bound(hidden, weight, targets, upstream, upstream, logits_dtype=logits_dtype)
+
+
+def test_bits_compare_for_every_width_and_refuse_tensors_that_differ_in_shape_or_dtype():
+    flags = torch.tensor([True, False, True])
+    assert kernels.first_bit_difference(flags, flags.clone()) is None
+    assert kernels.first_bit_difference(flags, torch.tensor([True, True, True])) == 1
+    with pytest.raises(kernels.ShapeMismatchError, match=r"cannot compare bits of torch.bool\(3,\) and torch.bool"):
+        kernels.first_bit_difference(flags, flags[:2])
+    with pytest.raises(kernels.DtypeMismatchError, match=r"torch.float32\(3,\) and torch.float64\(3,\)"):
+        kernels.first_bit_difference(torch.zeros(3), torch.zeros(3, dtype=torch.float64))
+
+
 def test_half_ulp_is_half_the_bf16_spacing_in_every_binade():
     values = torch.tensor([1.0, 1.5, 2.0, 3.99, 4.0, 60.0, 2.0**-130, 0.0], dtype=torch.float64)
     spacing = torch.tensor([2.0**-7, 2.0**-7, 2.0**-6, 2.0**-6, 2.0**-5, 2.0**-2, 2.0**-133, 2.0**-133])
