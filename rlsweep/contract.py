@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -19,7 +19,7 @@ import yaml
 
 import kernels
 from rlsweep import CONF_DIR
-from rlsweep.errors import ContractError
+from rlsweep.errors import ContractError, RlsweepError
 from rlsweep.manifest import canonical_sha256
 from rlsweep.mismatch import ALIAS_OF, BY_NAME, METRIC_NAMES, ActiveTokens
 from rlsweep.verdicts import FORWARD_TENSORS, GRADIENT_TENSORS, Judgment
@@ -243,13 +243,13 @@ def contract_sha256(document: Mapping[str, Any]) -> str:
     return canonical_sha256({key: value for key, value in document.items() if key != PIN_KEY})
 
 
-def reject_unknown(section: Any, known: tuple[str, ...], where: str) -> None:
-    """A section must be a mapping of known keys only."""
+def reject_unknown(section: Any, known: Sequence[str], where: str, error: type[RlsweepError] = ContractError) -> None:
+    """A section must be a mapping of known keys only (a contract's, or a run config's with ``error`` ConfigError)."""
     if not isinstance(section, Mapping):
-        raise ContractError(f"{where} must be a mapping, got {section!r}")
+        raise error(f"{where} must be a mapping, got {section!r}")
     unknown = sorted(set(map(str, section)) - set(known))
     if unknown:
-        raise ContractError(f"{where}: unknown key(s) {unknown}; valid: {', '.join(known)}")
+        raise error(f"{where}: unknown key(s) {unknown}; valid: {', '.join(known)}")
 
 
 def contract_from_mapping(document: Mapping[str, Any], *, source: str = "contract") -> Contract:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 import kernels
-from rlsweep.contract import DETERMINISM_SCOPES, Contract, RowKey, contract_from_mapping, op_class
+from rlsweep.contract import DETERMINISM_SCOPES, Contract, RowKey, contract_from_mapping, op_class, reject_unknown
 from rlsweep.errors import ConfigError
 from rlsweep.synthetic import check_seed
 from rlsweep.verdicts import DECLARABLE, FORWARD_TENSORS, GRADIENT_TENSORS, Judgment
@@ -42,6 +42,7 @@ DECODE_PARITY_ROLES = "decode_parity"  # the decode cell against the canonical c
 CHAIN_ROLES = "chain_logprob_aggregates"
 CANONICAL_CELL = "BN/packed"
 DECODE_CELL = "decode"
+CONFIG_KEY = "config_key"  # a field's metadata: the config key it is parsed from (default its name; None: none)
 NEEDLE = "needle"  # a cell kind that names one cell per layout.needles entry
 CELL_KINDS = (
     CANONICAL_CELL,
@@ -296,13 +297,14 @@ class RunSpec:
     workload: WorkloadSpec
     layout: LayoutSpec
     contract: Contract
-    sharding: kernels.ShardingSpec  # the whole vocab over every rank, as every kernel call of the run splits it
+    # the whole vocab over every rank, as every kernel call of the run splits it
+    sharding: kernels.ShardingSpec = field(metadata={CONFIG_KEY: "tp"})
     tp_mode: str = "emulated"
     seed: int = 0
     grad: bool = False  # differentiate every kernel call and judge the gradients
     expected_red: tuple[ExpectedRed, ...] = ()  # a sweep config's declarations
     tables_dir: str | None = None
-    config: Mapping[str, Any] = field(default_factory=dict)  # the resolved config it was parsed from
+    config: Mapping[str, Any] = field(default_factory=dict, metadata={CONFIG_KEY: None})  # the resolved config
 
     def __post_init__(self) -> None:
         choice("tp_mode", self.tp_mode, kernels.TP_MODES)
@@ -365,38 +367,53 @@ def parse_run_spec(config: Mapping[str, Any]) -> RunSpec:
         raise ConfigError(f"tp must be an integer >= 1, got {tp!r}")
     if tp > MAX_TP:
         raise ConfigError(f"tp={tp} is above {MAX_TP}, the largest tp rlsweep runs; use 1 <= tp <= {MAX_TP}")
-    model = build(ModelSpec, config["model"], weights=build(WeightSource, config["model"].get("weights", {})))
-    profile_spec = build(ProfileSpec, profile, expected_red=expected_reds(profile.get("expected_red", ())))
+    weights = build(WeightSource, config["model"].get("weights", {}), "model.weights")
+    model = build(ModelSpec, config["model"], "model", weights=weights)
+    declared = expected_reds(profile.get("expected_red", ()), "profile.expected_red")
+    profile_spec = build(ProfileSpec, profile, "profile", expected_red=declared)
     # Every shard a run of whole tiles: ranks past the real vocab own padding only, which merges as the identity.
     sharding = kernels.ShardingSpec.even(model.vocab_size, profile_spec.vocab_tile, tp)
     contract_document = config["contract"]
+    needles = tuple(build(Needle, n, f"layout.needles[{i}]") for i, n in enumerate(config["layout"]["needles"]))
     return build(
         RunSpec,
         config,
+        "run config",
         model=model,
         profile=profile_spec,
-        workload=build(WorkloadSpec, config["workload"]),
-        layout=build(
-            LayoutSpec, config["layout"], needles=tuple(build(Needle, n) for n in config["layout"]["needles"])
-        ),
+        workload=build(WorkloadSpec, config["workload"], "workload"),
+        layout=build(LayoutSpec, config["layout"], "layout", needles=needles),
         contract=contract_from_mapping(contract_document, source=f"contract {contract_document.get('version')}"),
         sharding=sharding,
-        expected_red=expected_reds(config.get("expected_red", ())),
+        expected_red=expected_reds(config.get("expected_red", ()), "expected_red"),
         config=config,
     )
 
 
-def expected_reds(entries: Sequence[Mapping[str, Any]]) -> tuple[ExpectedRed, ...]:
-    return tuple(build(ExpectedRed, entry) for entry in entries)
+def expected_reds(entries: Sequence[Mapping[str, Any]], where: str) -> tuple[ExpectedRed, ...]:
+    return tuple(build(ExpectedRed, entry, f"{where}[{i}]") for i, entry in enumerate(entries))
 
 
 def declarations_of(config: Mapping[str, Any]) -> tuple[ExpectedRed, ...]:
     """The expected-red declarations recorded in a run's resolved config (its profile's, then the sweep's)."""
-    return (*expected_reds(config["profile"].get("expected_red", ())), *expected_reds(config.get("expected_red", ())))
+    return (
+        *expected_reds(config["profile"].get("expected_red", ()), "profile.expected_red"),
+        *expected_reds(config.get("expected_red", ()), "expected_red"),
+    )
 
 
-def build(cls: type, values: Mapping[str, Any], **parsed: Any) -> Any:
-    """``cls`` from the mapping's keys that are its fields; lists become tuples; ``parsed`` overrides keys."""
+def config_keys(cls: type) -> list[str]:
+    """The config keys ``cls`` reads: one per field, its name unless its metadata names another (or none)."""
+    keys = [f.metadata.get(CONFIG_KEY, f.name) for f in fields(cls)]
+    return [key for key in keys if key is not None]
+
+
+def build(cls: type, values: Mapping[str, Any], where: str, **parsed: Any) -> Any:
+    """``cls`` from a config mapping (``where`` names it); lists become tuples; ``parsed`` overrides keys.
+
+    A key that ``cls`` does not read (a ``+key=value`` override passes Hydra's schema) is refused by name.
+    """
+    reject_unknown(values, config_keys(cls), where, ConfigError)
     names = [f.name for f in fields(cls)]
     kwargs = {name: tuple(v) if isinstance(v, list) else v for name, v in values.items() if name in names}
     return cls(**(kwargs | parsed))

@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import re
+from dataclasses import fields
+from importlib import resources
+from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 from rlsweep_fixtures import WITHOUT_CUDA, compose_run, execute_run, run_rlsweep, tables_left, write_replay
 
+from rlsweep.config import (
+    LayoutConfig,
+    ModelConfig,
+    ProfileConfig,
+    RunConfig,
+    WeightSourceConfig,
+    WorkloadConfig,
+    run_spec,
+)
 from rlsweep.contract import load_contract, op_class
 from rlsweep.errors import ConfigError, ContractError, OutputDirError, ReplayInputError
 from rlsweep.tables import TOKENS_TABLE
@@ -115,6 +127,41 @@ def test_bad_config_names_the_value_and_leaves_no_table(tmp_path, case):
     with pytest.raises(error, match=re.escape(message)):
         execute_run(compose_run("layout=smoke", *overrides), tmp_path)
     assert tables_left(tmp_path) == []
+
+
+# A `+key=value` override adds a key past Hydra's schema; nothing reads it, so the RunSpec refuses it by name.
+UNKNOWN_KEYS = {
+    "model": ("+model.vocab_sise=7", "vocab_sise", ModelConfig),
+    "model.weights": ("+model.weights.logit_sd=2", "logit_sd", WeightSourceConfig),
+    "profile": ("+profile.expected_reds=[1]", "expected_reds", ProfileConfig),
+    "workload": ("+workload.hidden_scal=2", "hidden_scal", WorkloadConfig),
+    "layout": ("+layout.chunksize=3", "chunksize", LayoutConfig),
+    "run config": ("+tpp=2", "tpp", RunConfig),
+}
+
+
+@pytest.mark.parametrize("group", sorted(UNKNOWN_KEYS))
+def test_a_key_nothing_reads_is_refused_naming_the_valid_keys(group):
+    override, key, schema = UNKNOWN_KEYS[group]
+    with pytest.raises(ConfigError, match=re.escape(f"{group}: unknown key(s) {[key]}; valid: ")) as caught:
+        run_spec(compose_run("layout=smoke", override))
+    valid = str(caught.value).split("valid: ")[1]
+    assert valid.split(", ") == [field.name for field in fields(schema)]
+
+
+CONF = Path(str(resources.files("conf")))
+# Every checked-in option of every group, with what a replay option cannot run without.
+CHECKED_IN = [
+    [f"{path.parent.name}={path.stem}"]
+    + (["model.hidden_size=8", "model.vocab_size=64", "model.weights.path=head.st"] if path.stem == "replay" else [])
+    + (["workload.path=capture.st"] if path.parent.name == "workload" and path.stem == "replay" else [])
+    for path in sorted(CONF.glob("*/*.yaml"))
+]
+
+
+@pytest.mark.parametrize("overrides", CHECKED_IN, ids=lambda overrides: overrides[0])
+def test_every_checked_in_config_parses(overrides):
+    run_spec(compose_run(*overrides))
 
 
 def test_unwritable_tables_dir_is_a_usage_error(tmp_path):
