@@ -56,7 +56,7 @@ class ExpectedVerdictConfig:
 
     judgment: str = MISSING
     profiles: list[str] = field(default_factory=lambda: ["*"])  # fnmatch patterns over profile names
-    tp: list[int] = field(default_factory=list)  # the tp degrees it applies to; empty: every tp
+    tp: list[int] | None = None  # the tp degrees it applies to; null (the key left out): every tp
     cells: list[str] = field(default_factory=lambda: ["*"])  # fnmatch patterns over cell names
     tensors: list[str] = field(default_factory=lambda: ["*"])
     reason: str = MISSING

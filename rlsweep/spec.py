@@ -110,16 +110,23 @@ class ExpectedRed:
     judgment: str
     reason: str
     profiles: tuple[str, ...] = ("*",)  # fnmatch patterns over profile names
-    tp: tuple[int, ...] = ()  # the tp degrees it applies to; empty: every tp
+    tp: tuple[int, ...] | None = None  # the tp degrees it applies to; None (the key left out): every tp
     cells: tuple[str, ...] = ("*",)  # fnmatch patterns over cell names
     tensors: tuple[str, ...] = ("*",)
 
     def __post_init__(self) -> None:
         choice("expected_red judgment", self.judgment, DECLARABLE)
+        # An empty list would select nothing; leaving the key out is how a declaration says "every".
+        for selector in ("profiles", "tp", "cells", "tensors"):
+            if getattr(self, selector) is not None and not getattr(self, selector):
+                raise ConfigError(
+                    f"expected_red {{judgment: {self.judgment}, reason: {self.reason}}}: {selector}=[] selects "
+                    f"nothing; list at least one, or leave {selector} out for every {selector.removesuffix('s')}"
+                )
 
     def applies(self, profile: str, tp: int) -> bool:
         """Whether its profile patterns and tp list select a run of ``profile`` at ``tp``."""
-        return any(fnmatch.fnmatchcase(profile, p) for p in self.profiles) and (not self.tp or tp in self.tp)
+        return any(fnmatch.fnmatchcase(profile, p) for p in self.profiles) and (self.tp is None or tp in self.tp)
 
     def declares(self, judgment: str, cell: str, tensor: str) -> bool:
         """Whether it covers a verdict row: its judgment, and a cell and tensor among its patterns."""
@@ -130,7 +137,7 @@ class ExpectedRed:
         )
 
     def describe(self) -> str:
-        tp = f" tp={list(self.tp)}" if self.tp else ""
+        tp = f" tp={list(self.tp)}" if self.tp is not None else ""
         return (f"expected_red {{judgment: {self.judgment}, profiles: {list(self.profiles)}{tp}, "
                 f"cells: {list(self.cells)}, tensors: {list(self.tensors)}}} ({self.reason})")  # fmt: skip
 

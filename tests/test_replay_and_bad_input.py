@@ -149,6 +149,25 @@ def test_a_key_nothing_reads_is_refused_naming_the_valid_keys(group):
     assert valid.split(", ") == [field.name for field in fields(schema)]
 
 
+# An empty selector list selects nothing; omitting the key is how a declaration says "every" (docs/sweeps.md).
+SELECTORS = ("profiles", "tp", "cells", "tensors")
+
+
+@pytest.mark.parametrize("where", ["expected_red", "profile.expected_red"])
+@pytest.mark.parametrize("selector", SELECTORS)
+def test_an_empty_selector_of_a_declaration_is_refused(where, selector):
+    declaration = f"{where}=[{{judgment: forward_invariance, {selector}: [], reason: x}}]"
+    with pytest.raises(ConfigError, match=re.escape(f"{selector}=[] selects nothing")):
+        run_spec(compose_run("profile=negative_control_cpu", "layout=smoke", declaration))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_declaration_without_tp_selects_every_tp(tp):
+    declaration = "expected_red=[{judgment: forward_invariance, reason: x}]"
+    spec = run_spec(compose_run("profile=negative_control_cpu", "layout=smoke", f"tp={tp}", declaration))
+    assert spec.expectations == list(spec.expected_red)
+
+
 CONF = Path(str(resources.files("conf")))
 # Every checked-in option of every group, with what a replay option cannot run without.
 CHECKED_IN = [
