@@ -279,6 +279,12 @@ class LayoutSpec:
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:
             raise ConfigError(f"layout {self.name!r}: cells {repeated} appear more than once; each must be unique")
+        if self.needles and NEEDLE not in self.cells:
+            declared = ", ".join(needle.cell_name for needle in self.needles)
+            raise ConfigError(
+                f"layout {self.name!r}: layout.needles [{declared}] are read by no cell: layout.cells "
+                f"{list(self.cells)} has no {NEEDLE!r}; add it to layout.cells, or set layout.needles=[]"
+            )
 
     @property
     def cell_names(self) -> list[str]:
@@ -292,7 +298,7 @@ class LayoutSpec:
     @property
     def filler_rows(self) -> int:
         """Unrelated rows the needle cells take, at most."""
-        return max((needle.m for needle in self.needles), default=0) if NEEDLE in self.cells else 0
+        return max((needle.m for needle in self.needles), default=0)
 
 
 @dataclass(frozen=True)

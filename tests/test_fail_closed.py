@@ -217,8 +217,8 @@ def test_a_second_writer_fails_at_once_naming_the_holder(tmp_path):
 
 def test_a_control_whose_declarations_match_nothing_is_red(tmp_path):
     # With only the canonical cell there is no forward_invariance row for the control's declaration to match.
-    done = multirun(tmp_path, "profile=negative_control_cpu", "layout=smoke", "layout.cells=[BN/packed]", "tp=1",
-                    CONTROL_DECLARED)  # fmt: skip
+    done = multirun(tmp_path, "profile=negative_control_cpu", "layout=smoke", "layout.cells=[BN/packed]",
+                    "layout.needles=[]", "tp=1", CONTROL_DECLARED)  # fmt: skip
     assert_not_green(done, ExitCode.RED)
     checks = pd.read_parquet(tmp_path / CHECKS_TABLE)  # the sweep's checks dataset: its one job
     row = checks[checks.judgment == "expected_red"]

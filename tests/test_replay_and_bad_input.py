@@ -110,6 +110,11 @@ CONFIG_BAD_INPUTS = {
     "tp above the largest served": (["tp=100000"], ConfigError, "tp=100000 is above 256"),
     "chunk_size < 1": (["layout.chunk_size=0"], ConfigError, "layout.chunk_size must be >= 1, got 0"),
     "needle outside its call": (["layout.needles=[{m: 4, pos: 9}]"], ConfigError, "m=4 pos=9"),
+    "needles no cell reads": (
+        ["layout.cells=[BN/packed]", "layout.needles=[{m: 3, pos: 1}]"],
+        ConfigError,
+        "layout.needles [needle/M=3/pos=1] are read by no cell: layout.cells ['BN/packed'] has no 'needle'",
+    ),
     "require_all false": (["contract.chain_logprob_aggregates.require_all=false"], ContractError, "require_all"),
     "non-bitwise invariance row": (
         ["contract.judgments.forward_invariance.rows.lse.bfloat16.atol=0.01"],
