@@ -18,7 +18,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig
 
 from rlsweep.config import job_list, run_spec
 from rlsweep.errors import ConfigError
@@ -100,10 +100,7 @@ def preflight_jobs(config: DictConfig) -> list[tuple[str, ...]]:
     jobs = job_list(config.hydra, "this sweep")
     for num, overrides in enumerate(jobs):
         try:
-            job_cfg = loader.load_sweep_config(config, list(overrides))
-            with open_dict(job_cfg):
-                del job_cfg["hydra"]
-            preflight(run_spec(job_cfg))
+            preflight(run_spec(loader.load_sweep_config(config, list(overrides))))  # its hydra node: its choices
         except Exception as err:
             raise ConfigError(f"job #{num} ({' '.join(overrides)}) cannot run: {one_line(err)}") from err
     return jobs

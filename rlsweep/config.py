@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import MISSING, DictConfig, OmegaConf
 
@@ -147,9 +148,21 @@ def check_complete(cfg: DictConfig) -> None:
 
 
 def run_spec(cfg: DictConfig) -> RunSpec:
-    """The typed, checked run of a composed config (without its ``hydra`` node): the only way in."""
+    """The typed, checked run of a composed config: the only way in.
+
+    ``cfg`` carries its ``hydra`` node (a sweep job's config, ``compose(..., return_hydra_config=True)``), or
+    comes without it from inside the app, where ``HydraConfig`` holds it: its ``runtime.choices`` name the
+    contract file composed, whose name the contract's version must be.
+    """
+    if "hydra" in cfg:
+        choices = cfg.hydra.runtime.choices
+        cfg = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
+    elif HydraConfig.initialized():
+        choices = HydraConfig.get().runtime.choices
+    else:
+        raise RlsweepError("run_spec needs a config as Hydra composed it: with its hydra node, or inside the app")
     check_complete(cfg)
-    return parse_run_spec(OmegaConf.to_container(cfg, resolve=True))
+    return parse_run_spec(OmegaConf.to_container(cfg, resolve=True), contract_file=choices.contract)
 
 
 def saved_config_sha256(cfg: DictConfig) -> str:

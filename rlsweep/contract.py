@@ -235,7 +235,7 @@ def load_contract(path: str | Path | None = None) -> Contract:
         ) from err
     if not isinstance(document, Mapping):
         raise ContractError(f"contract file {str(path)!r} must hold a mapping, got {type(document).__name__}")
-    return contract_from_mapping(document, source=str(path))
+    return contract_from_mapping(document, source=str(path), file_name=path.stem)
 
 
 def contract_sha256(document: Mapping[str, Any]) -> str:
@@ -252,13 +252,21 @@ def reject_unknown(section: Any, known: Sequence[str], where: str, error: type[R
         raise error(f"{where}: unknown key(s) {unknown}; valid: {', '.join(known)}")
 
 
-def contract_from_mapping(document: Mapping[str, Any], *, source: str = "contract") -> Contract:
-    """Validate a contract document (plain containers) and freeze it."""
+def contract_from_mapping(
+    document: Mapping[str, Any], *, source: str = "contract", file_name: str | None = None
+) -> Contract:
+    """Validate a contract document (plain containers) and freeze it.
+
+    ``file_name``: the name (without ``.yaml``) of the contract file it was read or composed from, which is its
+    version; None for a document already checked so (one recorded in a run's tables).
+    """
     document = dict(document)
     reject_unknown(document, TOP_KEYS, source)
     for key in TOP_KEYS:
         if key not in document and key != PIN_KEY:
             raise ContractError(f"{source}: missing top-level key {key!r}")
+    if file_name is not None:
+        check_version(document["version"], file_name, source)
     reject_unknown(document["dtype_policy"], DTYPE_POLICY_KEYS, f"{source}: dtype_policy")
     roles = parse_roles(document["comparison_roles"], source)
     rows = parse_judgments(document["judgments"], source)
@@ -277,6 +285,17 @@ def contract_from_mapping(document: Mapping[str, Any], *, source: str = "contrac
         chain=MappingProxyType(chain),
         chain_metrics=judged,
     )
+
+
+def check_version(version: Any, file_name: str, source: str) -> None:
+    """A contract file is named by its version (``conf/contract/v2.yaml`` holds ``version: v2``), so the version a
+    table records names the document that judged it; a version set to anything else is refused."""
+    if str(version) != file_name:
+        raise ContractError(
+            f"{source}: version={version!r} is not the version of contract file {file_name}.yaml, which is "
+            f"{file_name!r} (a contract's version is its file's name); valid: version={file_name}, or the contract "
+            "file of the version wanted (contract=<version>)"
+        )
 
 
 def parse_roles(section: Mapping[str, Any], source: str) -> dict[str, tuple[str, str]]:

@@ -370,8 +370,12 @@ class RunSpec:
         return [d for d in self.declarations if d.applies(self.profile.name, self.tp)]
 
 
-def parse_run_spec(config: Mapping[str, Any]) -> RunSpec:
-    """The RunSpec of a resolved config (plain mappings and lists, as Hydra composed it against its schema)."""
+def parse_run_spec(config: Mapping[str, Any], *, contract_file: str) -> RunSpec:
+    """The RunSpec of a resolved config (plain mappings and lists, as Hydra composed it against its schema).
+
+    ``contract_file``: the name of the contract file composed as ``config["contract"]`` (``contract=v2``), which
+    its version must be.
+    """
     profile = dict(config["profile"])
     if profile.get("backend_module"):
         import_backend(profile["name"], profile["backend_module"])
@@ -396,7 +400,7 @@ def parse_run_spec(config: Mapping[str, Any]) -> RunSpec:
         profile=profile_spec,
         workload=build(WorkloadSpec, config["workload"], "workload"),
         layout=build(LayoutSpec, config["layout"], "layout", needles=needles),
-        contract=contract_from_mapping(contract_document, source=f"contract {contract_document.get('version')}"),
+        contract=contract_from_mapping(contract_document, source=f"contract={contract_file}", file_name=contract_file),
         sharding=sharding,
         expected_red=expected_reds(config.get("expected_red", ()), "expected_red"),
         config=config,

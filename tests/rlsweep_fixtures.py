@@ -25,9 +25,10 @@ register_configs()
 
 
 def compose_run(*overrides: str) -> DictConfig:
-    """The run config exactly as ``python -m rlsweep <overrides>`` composes it."""
+    """The run config exactly as ``python -m rlsweep <overrides>`` composes it, with the ``hydra`` node that names
+    the files composed (``run_spec`` reads the contract file's name there)."""
     with initialize_config_module("conf", version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+        return compose("config", overrides=list(overrides), return_hydra_config=True)
 
 
 def build_inputs(spec: RunSpec) -> tuple[LmHead, Workload]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -90,6 +91,14 @@ def test_require_all_false_is_rejected(document):
     bad["chain_logprob_aggregates"]["require_all"] = False
     with pytest.raises(ContractError, match="require_all must be true"):
         contract_from_mapping(bad)
+
+
+@pytest.mark.parametrize("name", ["v2", "v9"])
+def test_a_contract_file_whose_version_is_not_its_name_is_refused(tmp_path, name):
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(default_contract_path("v1").read_text())  # version: v1
+    with pytest.raises(ContractError, match=re.escape(f"version='v1' is not the version of contract file {name}")):
+        load_contract(path)
 
 
 def test_sha256_ignores_the_pin_and_int_float_spelling_but_not_thresholds():

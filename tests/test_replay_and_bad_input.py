@@ -116,6 +116,9 @@ CONFIG_BAD_INPUTS = {
         "layout.needles [needle/M=3/pos=1] are read by no cell: layout.cells ['BN/packed'] has no 'needle'",
     ),
     "require_all false": (["contract.chain_logprob_aggregates.require_all=false"], ContractError, "require_all"),
+    # The version names the contract file composed (contract=v1): a table must not record another document's.
+    "contract version not its file's": (["contract=v1", "contract.version=v9"], ContractError, "version='v9' is not"),
+    "contract version of another file": (["contract=v1", "contract.version=v2"], ContractError, "version='v2' is not"),
     "non-bitwise invariance row": (
         ["contract.judgments.forward_invariance.rows.lse.bfloat16.atol=0.01"],
         ContractError,

@@ -88,6 +88,15 @@ def test_a_job_that_cannot_run_stops_the_sweep_before_any_job_runs(tmp_path):
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
+def test_each_job_is_checked_against_its_own_contract_file(tmp_path):
+    done = multirun(tmp_path, "layout=smoke", "contract=v1,v2", "contract.version=v1")
+    assert done.returncode == 1, done.stdout + done.stderr
+    job = "job #1 (layout=smoke contract=v2 contract.version=v1)"
+    assert done.stderr.startswith(f"rlsweep: error: {job} cannot run: "), done.stderr
+    assert "version='v1' is not the version of contract file v2" in done.stderr
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
 def test_every_tp_is_served_by_ranks_that_may_hold_only_padding(tmp_path):
     # At tp=13 ranks 3 to 12 of tiny's vocab in tiles of 1024 hold padding only; the run is judged as any other.
     done = multirun(tmp_path, "profile=cpu_bf16", "layout=smoke", "profile.vocab_tile=1024", "tp=1,13")
