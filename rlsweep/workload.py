@@ -8,7 +8,7 @@ import torch
 
 import kernels
 from rlsweep.errors import ReplayInputError
-from rlsweep.spec import POSITION_BITS, ModelSpec, WorkloadSpec
+from rlsweep.spec import MAX_SEQ_LEN, POSITION_BITS, ModelSpec, WorkloadSpec
 from rlsweep.synthetic import normal_matrix, standard_normal, uniform
 from rlsweep.tensor_files import TensorFile
 
@@ -162,15 +162,23 @@ def replay_shape(config: WorkloadSpec, model: ModelSpec) -> WorkloadShape:
     if active is not None and (active.dtype != torch.bool or active.shape != (rows,)):
         raise ReplayInputError(f"{where}: active_mask must be bool [{rows}], got {active.describe()}")
     small = file.load([name for name in ("seq_lens", *REPLAY_OPTIONAL) if name in headers])
-    seq_lens = small["seq_lens"]
-    if bool((seq_lens < 1).any()) or int(seq_lens.sum()) != rows:
-        raise ReplayInputError(f"{where}: seq_lens {seq_lens.tolist()} must be >= 1 and sum to T={rows}")
+    seq_lens = small["seq_lens"].tolist()  # Python ints: an int64 sum can wrap round to T
+    for sample, n in enumerate(seq_lens):
+        if not 1 <= n <= MAX_SEQ_LEN:
+            raise ReplayInputError(
+                f"{where}: seq_lens[{sample}] = {n} is outside [1, {MAX_SEQ_LEN}] (a position must fit the token "
+                f"key's {POSITION_BITS} bits)"
+            )
+    if sum(seq_lens) != rows:
+        raise ReplayInputError(
+            f"{where}: seq_lens {seq_lens} sum to {sum(seq_lens)}, but they must be >= 1 and sum to T={rows}"
+        )
     mask = small.get("active_mask", torch.ones(rows, dtype=torch.bool))
-    sample_ids = torch.repeat_interleave(torch.arange(len(seq_lens)), seq_lens)
+    sample_ids = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens))
     active_lens = torch.bincount(sample_ids[mask], minlength=len(seq_lens))
     if int(active_lens.sum()) == 0:
         raise ReplayInputError(f"{where}: active_mask marks none of the {rows} tokens active: nothing would be judged")
-    return WorkloadShape(tuple(seq_lens.tolist()), tuple(active_lens.tolist()))
+    return WorkloadShape(tuple(seq_lens), tuple(active_lens.tolist()))
 
 
 def replay_workload(

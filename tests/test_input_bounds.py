@@ -80,6 +80,16 @@ def test_replay_without_active_token_is_refused(tmp_path):
         check_run(cfg)
 
 
+def test_replay_seq_lens_whose_int64_sum_wraps_to_t_are_refused(tmp_path):
+    rows = sum(SEQ_LENS)
+    wrapping = [2**62, 2**62, 2**62, 2**62 + rows]  # sums to 2**64 + T: T in int64 arithmetic
+    tensors = replay_tensors() | {"seq_lens": torch.tensor(wrapping, dtype=torch.int64)}
+    cfg = compose_run(*replay_overrides(tmp_path, tensors))
+    message = f"seq_lens[0] = {wrapping[0]} is outside [1, {MAX_SEQ_LEN}]"
+    with pytest.raises(ReplayInputError, match=re.escape(message)):
+        check_run(cfg)
+
+
 # --- model=replay without its sizes -----------------------------------------------------------------------
 
 
