@@ -373,12 +373,7 @@ def parse_tolerance(row: Mapping[str, Any], where: str) -> Tolerance:
         if set(row) != {"mode"}:
             raise ContractError(f"{where}: a rounding_model row has only 'mode', got {sorted(row)}")
         return Tolerance(atol=0.0, rtol=0.0, mode=mode)
-    values = {}
-    for key in ("atol", "rtol"):
-        value = row.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise ContractError(f"{where}: {key} must be a finite number >= 0, got {value!r}")
-        values[key] = float(value)
+    values = {key: finite_number(row.get(key), f"{where}: {key}", at_least=0) for key in ("atol", "rtol")}
     if mode == "bitwise" and (values["atol"] or values["rtol"]):
         raise ContractError(f"{where}: a bitwise row must have atol = rtol = 0, got {values}")
     return Tolerance(atol=values["atol"], rtol=values["rtol"], mode=mode)
@@ -398,8 +393,12 @@ def parse_chain(
         if section.get(key) != "hard_failure":
             raise ContractError(f"{where}.{key} must be 'hard_failure', got {section.get(key)!r}")
     clip = section.get("clip_interval")
-    if not isinstance(clip, (list, tuple)) or len(clip) != 2 or not 0 < clip[0] < 1 < clip[1]:
-        raise ContractError(f"{where}.clip_interval must be [low, high] with 0 < low < 1 < high, got {clip!r}")
+    interval = f"{where}.clip_interval must be [low, high] with 0 < low < 1 < high, got {clip!r}"
+    if not isinstance(clip, (list, tuple)) or len(clip) != 2:
+        raise ContractError(interval)
+    low, high = (finite_number(end, f"{where}.clip_interval[{i}]") for i, end in enumerate(clip))
+    if not 0 < low < 1 < high:
+        raise ContractError(interval)
     judged = parse_judged_metrics(section.get("judged_metrics", list(REQUIRED_CHAIN_METRICS)), where)
     chain = {}
     reject_unknown(section.get("thresholds", {}), CONTRACT_DTYPES, f"{where}.thresholds")
@@ -420,11 +419,22 @@ def parse_chain(
                 f"{at}: need {{mode: {ROUNDING_MODEL}}} or exactly the judged metrics {list(judged)}; "
                 f"missing {missing or 'none'}, not in judged_metrics {undeclared or 'none'}"
             )
-        for metric, value in thresholds.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ContractError(f"{at}.{metric} must be a finite number >= 0, got {value!r}")
-        chain[dtype] = ChainThresholds(figures=MappingProxyType({m: float(v) for m, v in thresholds.items()}))
-    return (float(clip[0]), float(clip[1])), judged, chain
+        figures = {metric: finite_number(value, f"{at}.{metric}", at_least=0) for metric, value in thresholds.items()}
+        chain[dtype] = ChainThresholds(figures=MappingProxyType(figures))
+    return (low, high), judged, chain
+
+
+def finite_number(value: Any, where: str, *, at_least: float | None = None) -> float:
+    """A number the contract reads: an int or a float (not a bool), finite, at least ``at_least`` when given."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or (at_least is not None and value < at_least)
+    ):
+        bound = "" if at_least is None else f" >= {at_least:g}"
+        raise ContractError(f"{where} must be a finite number{bound}, got {value!r}")
+    return float(value)
 
 
 def parse_judged_metrics(names: Any, where: str) -> tuple[str, ...]:

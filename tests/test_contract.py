@@ -101,6 +101,26 @@ def test_a_contract_file_whose_version_is_not_its_name_is_refused(tmp_path, name
         load_contract(path)
 
 
+CLIP = "chain_logprob_aggregates.clip_interval"
+BAD_CLIPS = {
+    "a string": ([".nan", 1.2], f"{CLIP}[0] must be a finite number, got '.nan'"),
+    "NaN": ([0.8, float("nan")], f"{CLIP}[1] must be a finite number, got nan"),
+    "infinite": ([0.8, float("inf")], f"{CLIP}[1] must be a finite number, got inf"),
+    "a bool": ([True, 1.2], f"{CLIP}[0] must be a finite number, got True"),
+    "one end": ([0.8], f"{CLIP} must be [low, high] with 0 < low < 1 < high, got [0.8]"),
+    "not around 1": ([1.1, 1.2], f"{CLIP} must be [low, high] with 0 < low < 1 < high, got [1.1, 1.2]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CLIPS))
+def test_a_clip_interval_that_is_not_two_finite_numbers_around_1_is_refused_by_name(document, case):
+    clip, message = BAD_CLIPS[case]
+    bad = copy.deepcopy(document)
+    bad["chain_logprob_aggregates"]["clip_interval"] = clip
+    with pytest.raises(ContractError, match=re.escape(message)):
+        contract_from_mapping(bad)
+
+
 def test_sha256_ignores_the_pin_and_int_float_spelling_but_not_thresholds():
     document = OmegaConf.to_container(OmegaConf.load(default_contract_path("v1")), resolve=True)
     base = contract_from_mapping(document).sha256

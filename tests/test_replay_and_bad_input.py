@@ -116,6 +116,11 @@ CONFIG_BAD_INPUTS = {
         "layout.needles [needle/M=3/pos=1] are read by no cell: layout.cells ['BN/packed'] has no 'needle'",
     ),
     "require_all false": (["contract.chain_logprob_aggregates.require_all=false"], ContractError, "require_all"),
+    "clip_interval not numbers": (
+        ["contract=v1", "contract.chain_logprob_aggregates.clip_interval=[.nan,1.2]"],
+        ContractError,
+        "chain_logprob_aggregates.clip_interval[0] must be a finite number, got '.nan'",
+    ),
     # The version names the contract file composed (contract=v1): a table must not record another document's.
     "contract version not its file's": (["contract=v1", "contract.version=v9"], ContractError, "version='v9' is not"),
     "contract version of another file": (["contract=v1", "contract.version=v2"], ContractError, "version='v2' is not"),
