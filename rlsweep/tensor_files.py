@@ -8,6 +8,7 @@ what is wrong: missing, unreadable, truncated or not safetensors at all.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+import kernels
 from rlsweep.errors import ReplayInputError
 
 # safetensors' dtype names; a name missing here is a dtype no rlsweep input may have.
@@ -77,6 +79,23 @@ class TensorFile:
         """The named tensors, read as stored (dtype and shape as their headers say)."""
         with self.opened() as handle:
             return {name: handle.get_tensor(name) for name in names}
+
+    def cast_finite(self, name: str, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``stored`` (this file's tensor ``name``) cast to ``dtype``, every value finite there; the first that is not
+        is named with its index: not finite as stored, or finite but past ``dtype``'s range (float32 3.4e38 is inf in
+        bfloat16)."""
+        cast = stored.to(dtype)
+        finite = torch.isfinite(cast)
+        if not bool(finite.all()):
+            index = tuple(int(i) for i in (~finite).nonzero()[0])
+            value = stored[index].item()
+            why = (
+                f"overflows the execution dtype {kernels.dtype_name(dtype)} (largest finite {torch.finfo(dtype).max:g})"
+                if math.isfinite(value)
+                else "is not finite"
+            )
+            raise ReplayInputError(f"{self.describe()}: {name}[{', '.join(map(str, index))}] = {value} {why}")
+        return cast
 
     @contextmanager
     def opened(self) -> Iterator[Any]:

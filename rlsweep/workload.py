@@ -201,10 +201,7 @@ def replay_workload(
         raise ReplayInputError(
             f"{where}: target_ids[{row}] = {int(targets[row])} is outside [0, {model.vocab_size}) (model.vocab_size)"
         )
-    finite = torch.isfinite(hidden)
-    if not bool(finite.all()):
-        row, col = (int(i) for i in (~finite).nonzero()[0])
-        raise ReplayInputError(f"{where}: hidden_states[{row}, {col}] = {hidden[row, col].item()} is not finite")
+    hidden = file.cast_finite("hidden_states", hidden, dtype)
     rows = shape.num_tokens
     active = tensors.get("active_mask", torch.ones(rows, dtype=torch.bool))
     lens = torch.tensor(shape.seq_lens)
@@ -216,7 +213,7 @@ def replay_workload(
         seed,
         sample_ids,
         positions,
-        hidden.to(device=device, dtype=dtype),
+        hidden.to(device),
         kernel_targets.to(device),
         active,
         shape.seq_lens,

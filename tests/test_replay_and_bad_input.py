@@ -91,17 +91,28 @@ REPLAY_BAD_INPUTS = {
     "target >= vocab": (mutate("target_ids", poke(4, VOCAB)), f"target_ids[4] = {VOCAB}"),
     "target < 0": (mutate("target_ids", poke(2, -7)), "target_ids[2] = -7"),
     "seq_lens do not sum": (mutate("seq_lens", poke(0, 1)), "must be >= 1 and sum to"),
-    "NaN hidden": (mutate("hidden_states", poke((3, 5), float("nan"))), "hidden_states[3, 5] = nan"),
-    "Inf weight": (mutate("weight", poke((7, 1), float("inf"))), "holds inf at index (7, 1)"),
+    "NaN hidden": (mutate("hidden_states", poke((3, 5), float("nan"))), "hidden_states[3, 5] = nan is not finite"),
+    "Inf weight": (mutate("weight", poke((7, 1), float("inf"))), "lm_head.weight[7, 1] = inf is not finite"),
 }
+# Finite as stored in float32, past the execution dtype's largest value: the cast would make it inf.
+EXECUTION_DTYPE = compose_run().profile.execution_dtype
+OVERFLOW = 3.4e38
+for name, index in (("hidden_states", (2, 3)), ("weight", (7, 1))):
+    stored = float(torch.tensor(OVERFLOW, dtype=torch.float32))
+    REPLAY_BAD_INPUTS[f"{name} overflows {EXECUTION_DTYPE}"] = (
+        mutate(name, lambda t, index=index: poke(index, OVERFLOW)(t.float())),
+        f"{'lm_head.weight' if name == 'weight' else name}[{index[0]}, {index[1]}] = {stored} overflows the "
+        f"execution dtype {EXECUTION_DTYPE}",
+    )
 
 
 @pytest.mark.parametrize("case", sorted(REPLAY_BAD_INPUTS))
 def test_bad_replay_input_names_the_value_and_leaves_no_table(tmp_path, case):
     tensors, message = REPLAY_BAD_INPUTS[case]
     cfg = compose_run(*replay_run(tmp_path, tensors), "layout=smoke")
-    with pytest.raises(ReplayInputError, match=re.escape(message)):
+    with pytest.raises(ReplayInputError, match=re.escape(message)) as caught:
         execute_run(cfg, tmp_path / "run")
+    assert str(tmp_path / ("head" if "weight" in message else "capture")) + ".safetensors" in str(caught.value)
     assert tables_left(tmp_path / "run") == []
 
 
