@@ -31,7 +31,10 @@ MAX_VOCAB_TILE = 1 << 14
 MAX_TP = 256  # the most ranks one run emulates or launches
 POSITION_BITS = 24  # counter key of a token: sample_id << POSITION_BITS | position
 MAX_SEQ_LEN = 1 << POSITION_BITS  # a longer sample's positions would spill into the next sample's keys
-MAX_HIDDEN_SCALE = 64.0  # logits of std 4 * 64 = 256 still sit far inside bf16's range
+# Scales of the synthetic inputs: a synthetic head's logits have std logit_std * hidden_scale (real heads: 3-5),
+# so at both bounds 64 * 64 = 4096, still far inside bf16's range; 0 would make an all-zero tensor.
+MAX_HIDDEN_SCALE = 64.0
+MAX_LOGIT_STD = 64.0
 MAX_NEEDLE_ROWS = 1 << 24  # filler rows of one needle call: only rejects typos, the memory estimate decides the rest
 WEIGHT_SOURCES = ("synthetic", "file")
 WORKLOAD_SOURCES = ("synthetic", "replay")
@@ -62,6 +65,12 @@ def choice(where: str, value: Any, valid: Sequence[str]) -> None:
         raise ConfigError(f"{where}={value!r} is not one of {', '.join(valid)}")
 
 
+def check_scale(key: str, value: float, limit: float) -> None:
+    """A scale of synthetic values must be in (0, limit]."""
+    if not 0 < value <= limit:  # NaN fails both comparisons
+        raise ConfigError(f"{key}={value!r} must be in (0, {limit:g}]")
+
+
 @dataclass(frozen=True)
 class WeightSource:
     """Where the lm_head weight comes from: counter-based synthetic values or a safetensors file."""
@@ -75,6 +84,8 @@ class WeightSource:
     def __post_init__(self) -> None:
         choice("model.weights.kind", self.kind, WEIGHT_SOURCES)
         check_seed(self.seed, "model.weights.seed")
+        if self.kind == "synthetic":
+            check_scale("model.weights.logit_std", self.logit_std, MAX_LOGIT_STD)
         if self.kind == "file" and not self.path:
             raise ConfigError("model.weights.kind=file needs model.weights.path (a local .safetensors file)")
 
@@ -209,8 +220,7 @@ class WorkloadSpec:
                 raise ConfigError("workload=replay needs workload.path (a local .safetensors file)")
             return
         self.check_lengths()
-        if not (0 < self.hidden_scale <= MAX_HIDDEN_SCALE):  # NaN fails both comparisons
-            raise ConfigError(f"workload.hidden_scale={self.hidden_scale!r} must be in (0, {MAX_HIDDEN_SCALE:g}]")
+        check_scale("workload.hidden_scale", self.hidden_scale, MAX_HIDDEN_SCALE)
 
     def check_lengths(self) -> None:
         seq, prompt = list(self.seq_lens), list(self.prompt_lens)

@@ -3,6 +3,7 @@ before any allocation."""
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -18,7 +19,15 @@ from rlsweep.config import run_spec
 from rlsweep.errors import ConfigError, ReplayInputError
 from rlsweep.execute import check_fits, peak_bytes
 from rlsweep.layouts import filler_rows_needed, largest_calls, plan_cells
-from rlsweep.spec import MAX_HIDDEN_SIZE, MAX_NEEDLE_ROWS, MAX_SEQ_LEN, MAX_VOCAB_SIZE, MAX_VOCAB_TILE
+from rlsweep.spec import (
+    MAX_HIDDEN_SCALE,
+    MAX_HIDDEN_SIZE,
+    MAX_LOGIT_STD,
+    MAX_NEEDLE_ROWS,
+    MAX_SEQ_LEN,
+    MAX_VOCAB_SIZE,
+    MAX_VOCAB_TILE,
+)
 from rlsweep.synthetic import SEED_LIMIT, counter_bits
 from rlsweep.workload import Workload, WorkloadShape, workload_shape
 
@@ -207,6 +216,22 @@ def test_absurd_size_is_refused_with_its_bound(case):
     overrides, message = ABSURD_SIZES[case]
     with pytest.raises(ConfigError, match=re.escape(message)):
         check_run(compose_run(*overrides))
+
+
+# Scales of the synthetic inputs: 0 makes an all-zero tensor, a negative one flips it; both bounded alike.
+SCALES = {"model.weights.logit_std": MAX_LOGIT_STD, "workload.hidden_scale": MAX_HIDDEN_SCALE}
+
+
+@pytest.mark.parametrize("key", sorted(SCALES))
+@pytest.mark.parametrize("value", [0.0, -4.0, math.nan, math.inf, 2 * max(SCALES.values())])
+def test_a_scale_outside_its_bound_is_refused(key, value):
+    with pytest.raises(ConfigError, match=re.escape(f"{key}={value!r} must be in (0, {SCALES[key]:g}]")):
+        check_run(compose_run("layout=smoke", f"{key}={value}"))
+
+
+@pytest.mark.parametrize("key", sorted(SCALES))
+def test_a_scale_at_its_bound_is_accepted(key):
+    check_run(compose_run("layout=smoke", f"{key}={SCALES[key]}"))
 
 
 # Inside every bound, but far above any machine: 2 TiB of bf16 weight alone.
