@@ -10,6 +10,7 @@ seed and tp. Reading from disk makes the gate work with any launcher.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -32,12 +33,12 @@ from rlsweep.spec import CANONICAL_CELL, ExpectedRed, declarations_of
 from rlsweep.tables import (
     CHECKS_SCHEMA,
     CHECKS_TABLE,
-    PART_FILE,
     RUN_COLUMNS,
     RUN_TABLES,
     TOKENS_SCHEMA,
     TOKENS_TABLE,
     TableError,
+    hidden,
     read_metadata,
     read_table,
     write_tables,
@@ -147,24 +148,35 @@ def candidate_dirs(root: Path) -> set[Path]:
 
 
 def visible_tables(root: Path) -> set[Path]:
-    """Every table file a dataset reader would load under ``root`` (hidden staging folders aside)."""
-    return {
-        path.resolve()
-        for name in RUN_TABLES
-        for path in root.rglob(f"{name}/**/{PART_FILE}")
-        if not any(part.startswith(".") for part in path.relative_to(root).parts)
-    }
+    """Every file (or link) a dataset reader would load from the tokens/ and checks/ folders under ``root``, whatever
+    its name, hidden names aside; as absolute paths, ``..`` resolved by name (links stay links)."""
+    found = set()
+    for name in RUN_TABLES:
+        for folder in root.rglob(name):
+            for path in folder.rglob("*") if folder.is_dir() and not folder.is_symlink() else [folder]:
+                if (path.is_file() or path.is_symlink()) and not any(hidden(p) for p in path.relative_to(root).parts):
+                    found.add(lexical(path))
+    return found
+
+
+def lexical(path: Path) -> Path:
+    return Path(os.path.normpath(path.absolute()))
 
 
 def orphan_tables(root: Path, candidates: set[Path]) -> list[str]:
-    """Table files that no run's manifest names: left by a crash or an older sweep, never data to trust."""
+    """Table files that no run's manifest names: left by a crash, an older sweep or a copy, never data to trust.
+
+    A file in the folder of a table that a manifest names is that run's to report (``verify_run``).
+    """
     named = set()
     for directory in candidates:
         manifest, _ = read_manifest(directory)
         if manifest is not None:
-            named |= {path.resolve() for path in table_files(directory, manifest).values()}
-    return [f"{path}: no run's {MANIFEST_FILE} names this table (stale or partial)" for path in
-            sorted(visible_tables(root) - named)]  # fmt: skip
+            named |= {lexical(path) for path in table_files(directory, manifest).values()}
+    folders = {path.parent for path in named}
+    stray = [path for path in visible_tables(root) - named if path.parent not in folders]
+    return [f"{path}: no run's {MANIFEST_FILE} names this table file (stale, partial or copied)" for path in
+            sorted(stray)]  # fmt: skip
 
 
 def discover(root: Path) -> tuple[list[Path], list[str], list[str]]:

@@ -24,7 +24,7 @@ import kernels
 from rlsweep import CONF_DIR
 from rlsweep.environment import git_commit
 from rlsweep.errors import ReplayInputError, TablesNotFoundError
-from rlsweep.tables import RUN_TABLES, RunLocation, remove_tables, write_tables
+from rlsweep.tables import RUN_TABLES, RunLocation, hidden, remove_tables, write_tables
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = "rlsweep-run-manifest/3"
@@ -148,8 +148,8 @@ def invalidate(location: RunLocation) -> None:
 
 
 def table_files(directory: Path, manifest: Mapping[str, Any]) -> dict[str, Path]:
-    """The table files a manifest in ``directory`` names, by table."""
-    return {name: directory / entry["path"] for name, entry in manifest["tables"].items()}
+    """The table files a manifest in ``directory`` names, by table (``..`` by name, as ``write_manifest`` wrote it)."""
+    return {name: Path(os.path.normpath(directory / entry["path"])) for name, entry in manifest["tables"].items()}
 
 
 @dataclass(frozen=True)
@@ -205,8 +205,14 @@ def saved_config_sha256(directory: Path) -> str | None:
     return config_text_sha256(path.read_text())
 
 
+def unnamed_entries(table: Path) -> list[Path]:
+    """What a dataset reader would also load from the folder of a run's ``table``: every other visible entry."""
+    return sorted(entry for entry in table.parent.iterdir() if entry.name != table.name and not hidden(entry.name))
+
+
 def verify_run(directory: Path) -> RunState:
-    """A run is complete when its manifest names every table by its sha256 and matches the config beside it."""
+    """A run is complete when its manifest names every table by its sha256, each table's folder holds nothing else
+    a reader would load, and the manifest matches the config beside it."""
     manifest, reason = read_manifest(directory)
     if manifest is None:
         return RunState(directory, None, reason)
@@ -223,6 +229,14 @@ def verify_run(directory: Path) -> RunState:
             return RunState(directory, manifest, str(err))
         if actual != manifest["tables"][name]["sha256"]:
             return RunState(directory, manifest, f"{str(path)!r} is not the table its manifest names (sha256 differs)")
+        others = unnamed_entries(path)
+        if others:
+            return RunState(
+                directory,
+                manifest,
+                f"{', '.join(repr(str(other)) for other in others)} beside its {name} table: {MANIFEST_FILE} does "
+                "not name it, yet a dataset reader would load it with the run's table",
+            )
     try:
         beside = saved_config_sha256(directory)
     except Exception as err:

@@ -186,6 +186,11 @@ def current_umask() -> int:
     return mask
 
 
+def hidden(name: str) -> bool:
+    """Dataset readers (pyarrow, pandas) skip names that start with a dot: rlsweep stages and removes folders there."""
+    return name.startswith(".")
+
+
 def hidden_sibling(path: Path, tag: str) -> Path:
     """A fresh hidden folder beside ``path`` (dataset readers skip names that start with a dot)."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -126,6 +126,44 @@ def test_a_missing_job_is_named(sweep, capsys, missing):
     assert "job #1 (profile=cpu_bf16 layout=smoke tp=2)" in output
 
 
+def write_failing_copy(source: Path, target: Path) -> None:
+    """A valid rlsweep table beside the run's own: its rows, every verdict flipped to failed where it has any."""
+    table = pq.read_table(source)
+    if "passed" in table.schema.names:
+        table = table.set_column(table.schema.get_field_index("passed"), "passed", pa.array([False] * len(table)))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, target)
+
+
+@pytest.mark.parametrize(
+    "stray",
+    [
+        f"{TOKENS_TABLE}/job=0/part-1.parquet",
+        f"{CHECKS_TABLE}/job=1/part-1.parquet",
+        f"{CHECKS_TABLE}/job=1/_part-1.parquet",
+        f"{CHECKS_TABLE}/job=7/data.parquet",
+    ],
+)
+def test_a_table_file_that_no_manifest_names_makes_the_sweep_incomplete(sweep, capsys, stray):
+    table = stray.split("/")[0]
+    write_failing_copy(table_file(sweep / "0", table), sweep / stray)
+    code, output = check(sweep, capsys)
+    assert code == ExitCode.INCOMPLETE, output
+    assert str(sweep / stray) in output and "GREEN" not in output
+
+
+def test_a_table_file_beside_a_single_runs_own_is_not_judged_as_part_of_it(tmp_path, capsys):
+    assert run_rlsweep(tmp_path, "layout=smoke").returncode == ExitCode.GREEN
+    stray = tmp_path / CHECKS_TABLE / "part-1.parquet"
+    write_failing_copy(tmp_path / CHECKS_TABLE / PART_FILE, stray)
+    assert not pd.read_parquet(tmp_path / CHECKS_TABLE)["passed"].all()  # what a plain reader of the run loads
+    code, output = check(tmp_path, capsys)
+    assert code == ExitCode.INCOMPLETE, output
+    assert "part-1.parquet" in output and "GREEN" not in output
+    code, output = report_main([str(tmp_path), "--out", str(tmp_path / "report")]), capsys.readouterr().err
+    assert code == ExitCode.ERROR and "part-1.parquet" in output, output  # no complete run to report on
+
+
 def test_a_string_passed_column_is_refused_on_read(green_sweep, tmp_path):
     # "False" as a string is truthy: such a column must never be read as verdicts.
     table = pq.read_table(table_file(green_sweep / "0", CHECKS_TABLE))
