@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from rlsweep.config import job_list, run_spec
 from rlsweep.errors import ConfigError
 from rlsweep.exitcodes import ExitCode, one_line
-from rlsweep.gate import write_job_list
+from rlsweep.gate import refuse_sweep_over_run, write_job_list
 from rlsweep.locks import acquire
 from rlsweep.manifest import MANIFEST_FILE, verify_run
 from rlsweep.run import preflight
@@ -115,8 +115,9 @@ class RlsweepCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         def start() -> None:
             check_output_dir(config.hydra.sweep.dir, "hydra.sweep.dir")
-            jobs = preflight_jobs(config)
             sweep_dir = Path(config.hydra.sweep.dir)
+            refuse_sweep_over_run(sweep_dir)
+            jobs = preflight_jobs(config)
             acquire(sweep_dir)  # held until this process ends, gate included
             write_job_list(sweep_dir, jobs)
             SESSION.sweep_dir = sweep_dir

@@ -25,7 +25,7 @@ import yaml
 
 import kernels
 from rlsweep.contract import Contract, contract_from_mapping, op_class
-from rlsweep.errors import TablesNotFoundError
+from rlsweep.errors import OutputDirError, TablesNotFoundError
 from rlsweep.exitcodes import ExitCode, combine
 from rlsweep.judgments import apply_expected, compare_tokens, declaration_verdict
 from rlsweep.manifest import HYDRA_CONFIG, MANIFEST_FILE, read_manifest, table_files, verify_run
@@ -38,7 +38,9 @@ from rlsweep.tables import (
     TOKENS_SCHEMA,
     TOKENS_TABLE,
     TableError,
+    dataset_entries,
     hidden,
+    is_partition,
     read_metadata,
     read_table,
     write_tables,
@@ -141,6 +143,35 @@ def job_overrides(run_dir: Path) -> tuple[str, ...] | None:
     return tuple(overrides)
 
 
+def sweep_marks(directory: Path) -> list[Path]:
+    """What shows that ``directory`` holds a sweep: Hydra's multirun.yaml, the job list, ``job=<n>`` partitions."""
+    marks = [directory / name for name in (MULTIRUN_FILE, JOBS_FILE) if (directory / name).exists()]
+    return marks + [entry for entry in dataset_entries(directory) if is_partition(entry)]
+
+
+def single_run_marks(directory: Path) -> list[Path]:
+    """What shows that ``directory`` holds a single run: its manifest, Hydra's record of a run, tables outside a
+    partition."""
+    marks = [directory / name for name in (MANIFEST_FILE, HYDRA_CONFIG) if (directory / name).exists()]
+    return marks + [entry for entry in dataset_entries(directory) if not is_partition(entry)]
+
+
+def listed(paths: Sequence[Path], directory: Path, limit: int = 4) -> str:
+    names = [str(path.relative_to(directory)) for path in paths]
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def refuse_sweep_over_run(sweep_dir: Path) -> None:
+    """A sweep never starts in a dir that holds a single run: the gate would take that run for one of its jobs."""
+    marks = single_run_marks(sweep_dir)
+    if marks:
+        raise OutputDirError(
+            f"hydra.sweep.dir={str(sweep_dir)!r} holds a single run ({listed(marks, sweep_dir)}); a sweep there would "
+            "mix its jobs' tables with that run's: choose another hydra.sweep.dir (a new one, or a sweep's to resume "
+            "it), or move the run away"
+        )
+
+
 def candidate_dirs(root: Path) -> set[Path]:
     """Directories that hold, or were meant to hold, a run: a manifest or Hydra's job record."""
     found = {path.parent for path in root.rglob(MANIFEST_FILE)}
@@ -193,6 +224,10 @@ def discover(root: Path) -> tuple[list[Path], list[str], list[str]]:
     for sweep_dir in sweeps:
         members = sorted(d for d in candidates - claimed if d.is_relative_to(sweep_dir) and d != sweep_dir)
         claimed.update(members)
+        if marks := single_run_marks(sweep_dir):  # never one of the sweep's runs, nor a run beside it
+            claimed.add(sweep_dir)
+            incomplete.append(f"{sweep_dir}: a single run ({listed(marks, sweep_dir)}) in this sweep dir, whose "
+                              "datasets it shares with the sweep's jobs; not judged")  # fmt: skip
         by_overrides: dict[tuple[str, ...], list[Path]] = {}
         for member in members:
             by_overrides.setdefault(tuple(sorted(job_overrides(member) or ())), []).append(member)

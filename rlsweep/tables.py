@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -30,6 +31,7 @@ CHECKS_TABLE = "checks"
 RUN_TABLES = (TOKENS_TABLE, CHECKS_TABLE)
 PART_FILE = "part-0.parquet"  # the one file of a run's partition
 PARTITION_KEY = "job"  # a sweep's partitions: job=<Hydra job number>, the number of the job's own dir
+PARTITION_NAME = re.compile(rf"{PARTITION_KEY}=\d+")
 SCHEMA_VERSION = "rlsweep-tables/4"  # in every table's metadata; bumped when a schema changes
 METADATA_KEY = b"rlsweep"
 
@@ -189,6 +191,24 @@ def current_umask() -> int:
 def hidden(name: str) -> bool:
     """Dataset readers (pyarrow, pandas) skip names that start with a dot: rlsweep stages and removes folders there."""
     return name.startswith(".")
+
+
+def dataset_entries(root: Path) -> list[Path]:
+    """What a dataset reader finds first in ``root``'s tokens/ and checks/: a single run's table file, or a sweep's
+    ``job=<n>`` partitions (``is_partition``), or anything else put there (a dataset path that is not a folder too)."""
+    entries = []
+    for table in RUN_TABLES:
+        folder = root / table
+        if folder.is_dir() and not folder.is_symlink():
+            entries += sorted(entry for entry in folder.iterdir() if not hidden(entry.name))
+        elif folder.exists() or folder.is_symlink():
+            entries.append(folder)
+    return entries
+
+
+def is_partition(entry: Path) -> bool:
+    """A sweep job's partition folder: ``job=<n>``, a real folder."""
+    return PARTITION_NAME.fullmatch(entry.name) is not None and entry.is_dir() and not entry.is_symlink()
 
 
 def hidden_sibling(path: Path, tag: str) -> Path:

@@ -243,10 +243,35 @@ def test_a_failed_rerun_invalidates_the_old_tables(tmp_path, capsys):
     assert code == ExitCode.INCOMPLETE, output
 
 
+def snapshot(directory: Path) -> dict[str, int]:
+    """Every path under ``directory`` with its modification time: what a refused command must leave as it was."""
+    return {str(path.relative_to(directory)): path.stat().st_mtime_ns for path in directory.rglob("*")}
+
+
+def test_a_sweep_into_a_single_runs_dir_is_refused_before_any_job(tmp_path):
+    assert run_rlsweep(tmp_path, "layout=smoke").returncode == ExitCode.GREEN
+    before = snapshot(tmp_path)
+    done = multirun(tmp_path, "layout=smoke", "tp=1,2")
+    assert_not_green(done, ExitCode.ERROR)
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert str(tmp_path) in done.stderr and MANIFEST_FILE in done.stderr and "hydra.sweep.dir" in done.stderr
+    assert "starting" not in done.stdout and snapshot(tmp_path) == before
+
+
+def test_a_single_run_in_a_sweep_dir_is_never_judged_as_one_of_its_runs(sweep, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert run_rlsweep(run, "layout=smoke", "tp=2").returncode == ExitCode.GREEN
+    for name in (MANIFEST_FILE, ".hydra", f"{TOKENS_TABLE}/{PART_FILE}", f"{CHECKS_TABLE}/{PART_FILE}"):
+        (shutil.copytree if (run / name).is_dir() else shutil.copy)(run / name, sweep / name)
+    code, output = check(sweep, capsys)
+    assert code == ExitCode.INCOMPLETE, output
+    assert f"{sweep}: a single run" in output and "sweep gate: 2 runs" in output
+
+
 def test_a_second_writer_fails_at_once_naming_the_holder(tmp_path):
-    with locked(tmp_path):
-        single = run_rlsweep(tmp_path, "layout=smoke")
+    with locked(tmp_path):  # the sweep first: the single run leaves Hydra's record of a run, which a sweep refuses
         sweep = multirun(tmp_path, "layout=smoke", "tp=1")
+        single = run_rlsweep(tmp_path, "layout=smoke")
     for done in (single, sweep):
         assert_not_green(done, ExitCode.ERROR)
         assert "is in use by another rlsweep writer (pid" in done.stderr
