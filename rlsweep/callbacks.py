@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from rlsweep.config import job_list, run_spec
 from rlsweep.errors import ConfigError
 from rlsweep.exitcodes import ExitCode, one_line
-from rlsweep.gate import refuse_sweep_over_run, write_job_list
+from rlsweep.gate import refuse_run_over_sweep, refuse_sweep_over_run, write_job_list
 from rlsweep.locks import acquire
 from rlsweep.manifest import MANIFEST_FILE, verify_run
 from rlsweep.run import preflight
@@ -110,7 +110,14 @@ class RlsweepCallback(Callback):
     """Registered in conf/config.yaml as ``hydra.callbacks.rlsweep``."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        fatal(lambda: check_output_dir(config.hydra.run.dir, "hydra.run.dir"))
+        def start() -> None:
+            check_output_dir(config.hydra.run.dir, "hydra.run.dir")
+            # Before Hydra writes its record of the run into the dir: a sweep's dir is left as it was.
+            refuse_run_over_sweep(Path(config.hydra.run.dir), "hydra.run.dir")
+            if config.get("tables_dir") is not None:
+                refuse_run_over_sweep(Path(config.tables_dir), "tables_dir")
+
+        fatal(start)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         def start() -> None:

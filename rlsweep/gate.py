@@ -161,14 +161,29 @@ def listed(paths: Sequence[Path], directory: Path, limit: int = 4) -> str:
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
+def named_dir(directory: Path, key: str | None) -> str:
+    return f"output directory {str(directory)!r}" + (f" ({key})" if key else "")
+
+
 def refuse_sweep_over_run(sweep_dir: Path) -> None:
     """A sweep never starts in a dir that holds a single run: the gate would take that run for one of its jobs."""
     marks = single_run_marks(sweep_dir)
     if marks:
         raise OutputDirError(
-            f"hydra.sweep.dir={str(sweep_dir)!r} holds a single run ({listed(marks, sweep_dir)}); a sweep there would "
-            "mix its jobs' tables with that run's: choose another hydra.sweep.dir (a new one, or a sweep's to resume "
-            "it), or move the run away"
+            f"{named_dir(sweep_dir, 'hydra.sweep.dir')} holds a single run ({listed(marks, sweep_dir)}); a sweep "
+            "there would mix its jobs' tables with that run's: choose another hydra.sweep.dir (a new one, or a "
+            "sweep's to resume it), or move the run away"
+        )
+
+
+def refuse_run_over_sweep(run_dir: Path, key: str | None = None) -> None:
+    """A single run never writes into a sweep's dir: it would replace the datasets that hold the sweep's partitions."""
+    marks = sweep_marks(run_dir)
+    if marks:
+        raise OutputDirError(
+            f"{named_dir(run_dir, key)} holds a sweep ({listed(marks, run_dir)}); a single run there would delete the "
+            "sweep's tables: write the run elsewhere (hydra.run.dir=..., tables_dir=...), or run the sweep again with "
+            "--multirun to redo its jobs"
         )
 
 

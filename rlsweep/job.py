@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rlsweep.exitcodes import ExitCode
+from rlsweep.gate import refuse_run_over_sweep
 from rlsweep.locks import locked
 from rlsweep.manifest import RunIdentity, identify, invalidate, verify_run, write_manifest
 from rlsweep.run import RunOutcome, execute
@@ -57,6 +58,8 @@ def run_job(
     ``saved_config_sha256``: the hash of the config Hydra saved beside the run (``rlsweep.manifest``).
     """
     directory = location.run_dir
+    if location.partition is None:  # a single run's tables replace its dir's datasets, a sweep's partitions too
+        refuse_run_over_sweep(directory)
     check_writable(directory)
     with locked(directory):
         try:

@@ -268,6 +268,29 @@ def test_a_single_run_in_a_sweep_dir_is_never_judged_as_one_of_its_runs(sweep, t
     assert f"{sweep}: a single run" in output and "sweep gate: 2 runs" in output
 
 
+@pytest.mark.parametrize("into", ["hydra.run.dir", "tables_dir", None], ids=["run dir", "tables_dir", "no callback"])
+def test_a_single_run_into_a_sweep_dir_is_refused_and_deletes_nothing(sweep, tmp_path, capsys, into):
+    before = snapshot(sweep)
+    if into == "tables_dir":
+        done = run_rlsweep(tmp_path / "run", "layout=smoke", f"tables_dir={sweep}")
+    else:  # without rlsweep's callback Hydra writes its record first; the run itself still refuses the dir
+        done = run_rlsweep(sweep, "layout=smoke", *([] if into else ["~hydra.callbacks.rlsweep"]))
+    assert_not_green(done, ExitCode.ERROR)
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert f"{str(sweep)!r}{f' ({into})' if into else ''} holds a sweep (multirun.yaml" in done.stderr
+    after = snapshot(sweep)
+    if into is None:  # Hydra's record of the run is new there; the sweep's tables are as they were
+
+        def tables(files: dict[str, int]) -> dict[str, int]:
+            return {path: time for path, time in files.items() if path.startswith((TOKENS_TABLE, CHECKS_TABLE))}
+
+        assert tables(after) == tables(before)
+        return
+    assert after == before
+    code, output = check(sweep, capsys)
+    assert code == ExitCode.GREEN, output
+
+
 def test_a_second_writer_fails_at_once_naming_the_holder(tmp_path):
     with locked(tmp_path):  # the sweep first: the single run leaves Hydra's record of a run, which a sweep refuses
         sweep = multirun(tmp_path, "layout=smoke", "tp=1")
