@@ -20,7 +20,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from rlsweep.config import job_list, run_spec
+from rlsweep.config import job_list, run_spec, sweep_record
 from rlsweep.errors import ConfigError
 from rlsweep.exitcodes import ExitCode, one_line
 from rlsweep.gate import refuse_run_over_sweep, refuse_sweep_over_run, write_job_list
@@ -90,20 +90,18 @@ def red_so_far(sweep_dir: Path) -> tuple[int, int]:
     return complete, red
 
 
-def preflight_jobs(config: DictConfig) -> list[tuple[str, ...]]:
+def preflight_jobs(config: DictConfig, jobs: list[tuple[str, ...]]) -> None:
     """Compose every job of the sweep and check it as its run would (``rlsweep.run.preflight``), before any runs.
 
     A job that cannot run (a geometry its profile cannot serve, a contract row it lacks) stops the sweep here,
     in one line naming the job, instead of after the jobs before it have spent their time.
     """
     loader = GlobalHydra.instance().config_loader()
-    jobs = job_list(config.hydra, "this sweep")
     for num, overrides in enumerate(jobs):
         try:
             preflight(run_spec(loader.load_sweep_config(config, list(overrides))))  # its hydra node: its choices
         except Exception as err:
             raise ConfigError(f"job #{num} ({' '.join(overrides)}) cannot run: {one_line(err)}") from err
-    return jobs
 
 
 class RlsweepCallback(Callback):
@@ -124,9 +122,11 @@ class RlsweepCallback(Callback):
             check_output_dir(config.hydra.sweep.dir, "hydra.sweep.dir")
             sweep_dir = Path(config.hydra.sweep.dir)
             refuse_sweep_over_run(sweep_dir)
-            jobs = preflight_jobs(config)
+            record = sweep_record(config.hydra, "this sweep")
+            jobs = job_list(record, "this sweep")
+            preflight_jobs(config, jobs)
             acquire(sweep_dir)  # held until this process ends, gate included
-            write_job_list(sweep_dir, jobs)
+            write_job_list(sweep_dir, record, jobs)
             SESSION.sweep_dir = sweep_dir
 
         fatal(start)

@@ -38,7 +38,6 @@ def console_summary(result: GateResult) -> str:
     lines += [f"  INCOMPLETE {line}" for line in result.incomplete[:MAX_LISTED]]
     if len(result.incomplete) > MAX_LISTED:
         lines.append(f"  ... {len(result.incomplete) - MAX_LISTED} more in summary.md")
-    lines += [f"  {note}" for note in result.notes]
     lines.append(
         f"sweep gate: {len(result.runs)} runs, {len(unexpected)} verdicts not as expected, "
         f"{len(result.incomplete)} missing or incomplete -> {result.exit_code.word}"

@@ -17,6 +17,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from rlsweep.errors import ConfigError, RlsweepError
+from rlsweep.gate import check_distinct_jobs
 from rlsweep.manifest import config_text_sha256
 from rlsweep.spec import RunSpec, parse_run_spec
 
@@ -170,18 +171,25 @@ def saved_config_sha256(cfg: DictConfig) -> str:
     return config_text_sha256(OmegaConf.to_yaml(cfg))
 
 
-def job_list(hydra_cfg: DictConfig, where: str) -> list[tuple[str, ...]]:
-    """Every job's overrides from a sweep's ``hydra`` node, in the basic sweeper's order; ``where`` names it."""
+def sweep_record(hydra_cfg: DictConfig, where: str) -> dict[str, Any]:
+    """What a sweep's jobs are expanded from, as Hydra records it in ``multirun.yaml``: the basic sweeper's
+    ``params`` (None where unset) and the command line's overrides (``task``); ``where`` names the sweep."""
     try:
         sweeper = OmegaConf.select(hydra_cfg, "sweeper._target_")
         params_node = OmegaConf.select(hydra_cfg, "sweeper.params")
-        params = OmegaConf.to_container(params_node, resolve=False) if params_node is not None else {}
+        params = OmegaConf.to_container(params_node, resolve=False) if params_node is not None else None
         task = OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)
     except Exception as err:
         raise ConfigError(f"{where} cannot be read as Hydra's sweep record: {' '.join(str(err).split())}") from err
     if sweeper != BASIC_SWEEPER:
         raise RlsweepError(f"{where}: cannot list the jobs of sweeper {sweeper!r}; rlsweep gates {BASIC_SWEEPER}")
-    arguments = [f"{key}={value}" for key, value in params.items()] + list(task)
+    return {"params": params, "task": task}
+
+
+def job_list(record: dict[str, Any], where: str) -> list[tuple[str, ...]]:
+    """Every job's overrides from a ``sweep_record``, in the basic sweeper's order; no two alike (``where`` names
+    the sweep in errors)."""
+    arguments = [f"{key}={value}" for key, value in (record["params"] or {}).items()] + list(record["task"])
     choices: dict[str, list[str]] = {}  # key -> its "key=value" choices; a later override of a key replaces it
     for override in OverridesParser.create().parse_overrides(arguments):
         key = override.get_key_element()
@@ -191,7 +199,9 @@ def job_list(hydra_cfg: DictConfig, where: str) -> list[tuple[str, ...]]:
             choices[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
         else:
             raise RlsweepError(f"{where}: the basic sweeper cannot expand {key!r} ({override.input_line})")
-    return list(itertools.product(*choices.values()))
+    jobs = list(itertools.product(*choices.values()))
+    check_distinct_jobs(jobs, where)
+    return jobs
 
 
 def register_configs() -> None:

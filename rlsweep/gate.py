@@ -13,7 +13,7 @@ import json
 import os
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from itertools import combinations
 from pathlib import Path
 from typing import Any
@@ -25,10 +25,17 @@ import yaml
 
 import kernels
 from rlsweep.contract import Contract, contract_from_mapping, op_class
-from rlsweep.errors import OutputDirError, TablesNotFoundError
+from rlsweep.errors import ConfigError, OutputDirError, TablesNotFoundError
 from rlsweep.exitcodes import ExitCode, combine
 from rlsweep.judgments import apply_expected, compare_tokens, declaration_verdict
-from rlsweep.manifest import HYDRA_CONFIG, MANIFEST_FILE, read_manifest, table_files, verify_run
+from rlsweep.manifest import (
+    HYDRA_CONFIG,
+    MANIFEST_FILE,
+    canonical_sha256,
+    read_manifest,
+    table_files,
+    verify_run,
+)
 from rlsweep.spec import CANONICAL_CELL, ExpectedRed, declarations_of
 from rlsweep.tables import (
     CHECKS_SCHEMA,
@@ -49,7 +56,7 @@ from rlsweep.verdicts import FORWARD_TENSORS, REPORTED_ONLY, SWEEP_JUDGMENTS, Ju
 
 MULTIRUN_FILE = "multirun.yaml"  # Hydra's record of a sweep: its sweeper, parameters and overrides
 JOBS_FILE = "jobs.json"  # every job's overrides, written at the sweep's start (rlsweep.callbacks)
-JOBS_FORMAT = "rlsweep-sweep-jobs/1"
+JOBS_FORMAT = "rlsweep-sweep-jobs/2"
 JOB_OVERRIDES = Path(".hydra") / "overrides.yaml"
 SWEEP_CHECKS_TABLE = "sweep_checks.parquet"
 SUMMARY_FILE = "summary.md"
@@ -93,7 +100,6 @@ class GateResult:
     incomplete: list[str]  # one line per job or run dir that is missing or not complete
     sweep_checks: pd.DataFrame
     run_checks: pd.DataFrame
-    notes: list[str] = field(default_factory=list)  # information that does not change the verdict
 
     @property
     def unexpected(self) -> pd.DataFrame:
@@ -107,14 +113,54 @@ class GateResult:
         return combine(found + ([ExitCode.RED] if len(self.unexpected) else []))
 
 
-def write_job_list(sweep_dir: Path, jobs: Sequence[Sequence[str]]) -> None:
-    """Record every job's overrides at the sweep's start, for the gate to judge the sweep against."""
-    text = json.dumps({"format": JOBS_FORMAT, "jobs": [list(job) for job in jobs]}, indent=2) + "\n"
+def job_key(overrides: Sequence[str]) -> tuple[str, ...]:
+    """What tells a sweep's jobs apart: the set of their overrides, as Hydra records them in each job's dir."""
+    return tuple(sorted(overrides))
+
+
+def check_distinct_jobs(jobs: Sequence[Sequence[str]], where: str) -> None:
+    """No two jobs of a sweep with the same overrides: the gate finds a job's run dir by them."""
+    first: dict[tuple[str, ...], int] = {}
+    for number, job in enumerate(jobs):
+        earlier = first.setdefault(job_key(job), number)
+        if earlier != number:
+            raise ConfigError(
+                f"{where}: job #{number} ({' '.join(job)}) repeats job #{earlier}: a job's run is found by its "
+                "overrides, so each job of a sweep must have its own; drop the repeated value"
+            )
+
+
+def job_list_sha256(sweep: Any, jobs: Sequence[Sequence[str]]) -> str:
+    return canonical_sha256({"sweep": sweep, "jobs": [list(job) for job in jobs]})
+
+
+def write_job_list(sweep_dir: Path, sweep: dict[str, Any], jobs: Sequence[Sequence[str]]) -> None:
+    """Record at the sweep's start what Hydra expands its jobs from (``rlsweep.config.sweep_record``), every job's
+    overrides, and the sha256 of both, for the gate to judge the sweep against."""
+    record = {"format": JOBS_FORMAT, "sweep": sweep, "jobs": [list(job) for job in jobs]}
+    text = json.dumps({**record, "sha256": job_list_sha256(sweep, jobs)}, indent=2) + "\n"
     write_tables(sweep_dir, {}, files={JOBS_FILE: text})
 
 
+def hydra_sweep_record(sweep_dir: Path) -> dict[str, Any]:
+    """What Hydra's ``multirun.yaml`` says the sweep's jobs are expanded from: the sweeper's params, the overrides."""
+    path = sweep_dir / MULTIRUN_FILE
+    try:
+        hydra = yaml.safe_load(path.read_text())["hydra"]
+        return {"params": hydra["sweeper"]["params"], "task": hydra["overrides"]["task"]}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError) as err:
+        raise TableError(
+            f"{str(path)!r} cannot be read as Hydra's record of the sweep: {type(err).__name__}: "
+            f"{' '.join(str(err).split())}"
+        ) from err
+
+
 def sweep_jobs(sweep_dir: Path) -> list[tuple[str, ...]]:
-    """Every job's overrides, in job order, as the sweep recorded them at its start (``write_job_list``)."""
+    """Every job's overrides, in job order, as the sweep recorded them at its start (``write_job_list``).
+
+    The list must be the one rlsweep wrote (its sha256), for the sweep Hydra recorded beside it (``multirun.yaml``),
+    each job once: a list edited by hand, or copied from another sweep, would judge a sweep against other jobs.
+    """
     path = sweep_dir / JOBS_FILE
     try:
         record = json.loads(path.read_text())
@@ -122,12 +168,25 @@ def sweep_jobs(sweep_dir: Path) -> list[tuple[str, ...]]:
             isinstance(job, list) and all(isinstance(o, str) for o in job) for job in record["jobs"]
         ):
             raise ValueError(f"not an rlsweep job list ({JOBS_FORMAT})")
+        jobs = [tuple(job) for job in record["jobs"]]
+        if record.get("sha256") != job_list_sha256(record.get("sweep"), jobs):
+            raise ValueError(
+                "it was changed after the sweep wrote it: its sha256 does not match its jobs; rerun the sweep into "
+                "this dir (the same overrides and --multirun) to write it again"
+            )
+        recorded = hydra_sweep_record(sweep_dir)
+        if canonical_sha256(recorded) != canonical_sha256(record["sweep"]):
+            raise ValueError(
+                f"it lists the jobs of {json.dumps(record['sweep'], sort_keys=True)}, but {MULTIRUN_FILE} records "
+                f"the sweep {json.dumps(recorded, sort_keys=True)}"
+            )
+        check_distinct_jobs(jobs, "its jobs")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise TableError(
             f"{str(path)!r} cannot be read as the sweep's job list ({' '.join(str(err).split())}); rlsweep writes "
             "it when a sweep starts, so this sweep was not started by rlsweep or its record is damaged"
         ) from err
-    return [tuple(job) for job in record["jobs"]]
+    return jobs
 
 
 def job_overrides(run_dir: Path) -> tuple[str, ...] | None:
@@ -225,8 +284,8 @@ def orphan_tables(root: Path, candidates: set[Path]) -> list[str]:
             sorted(stray)]  # fmt: skip
 
 
-def discover(root: Path) -> tuple[list[Path], list[str], list[str]]:
-    """(complete run dirs to judge, what is missing or incomplete, notes) under ``root``.
+def discover(root: Path) -> tuple[list[Path], list[str]]:
+    """(complete run dirs to judge, what is missing or incomplete) under ``root``.
 
     Runs inside a sweep dir are judged against that sweep's job list; runs outside any sweep stand alone.
     """
@@ -234,7 +293,6 @@ def discover(root: Path) -> tuple[list[Path], list[str], list[str]]:
     candidates = candidate_dirs(root)
     complete: list[Path] = []
     incomplete: list[str] = []
-    notes: list[str] = []
     claimed: set[Path] = set()
     for sweep_dir in sweeps:
         members = sorted(d for d in candidates - claimed if d.is_relative_to(sweep_dir) and d != sweep_dir)
@@ -243,34 +301,44 @@ def discover(root: Path) -> tuple[list[Path], list[str], list[str]]:
             claimed.add(sweep_dir)
             incomplete.append(f"{sweep_dir}: a single run ({listed(marks, sweep_dir)}) in this sweep dir, whose "
                               "datasets it shares with the sweep's jobs; not judged")  # fmt: skip
-        by_overrides: dict[tuple[str, ...], list[Path]] = {}
-        for member in members:
-            by_overrides.setdefault(tuple(sorted(job_overrides(member) or ())), []).append(member)
-        matched: set[Path] = set()
-        for number, job in enumerate(sweep_jobs(sweep_dir)):
-            dirs = by_overrides.get(tuple(sorted(job)), [])
-            label = f"{sweep_dir}: job #{number} ({' '.join(job)})"
-            if not dirs:
-                incomplete.append(f"{label}: no run dir")
-                continue
-            if len(dirs) > 1:
-                incomplete.append(f"{label}: {len(dirs)} run dirs claim it ({', '.join(map(str, dirs))})")
-                matched.update(dirs)
-                continue
-            matched.add(dirs[0])
-            state = verify_run(dirs[0])
-            if state.complete:
-                complete.append(dirs[0])
-            else:
-                incomplete.append(f"{label} in {dirs[0]}: {state.reason}")
-        notes += [f"{d}: not a job of {sweep_dir / JOBS_FILE}; not judged" for d in members if d not in matched]
+        found, missing = sweep_runs(sweep_dir, members)
+        complete += found
+        incomplete += missing
     for run_dir in sorted(candidates - claimed):
         state = verify_run(run_dir)
         if state.complete:
             complete.append(run_dir)
         else:
             incomplete.append(f"{run_dir}: {state.reason}")
-    return complete, incomplete + orphan_tables(root, candidates), notes
+    return complete, incomplete + orphan_tables(root, candidates)
+
+
+def sweep_runs(sweep_dir: Path, members: Sequence[Path]) -> tuple[list[Path], list[str]]:
+    """The complete runs of a sweep's jobs among ``members`` (the run dirs under it), and what is missing or
+    incomplete: a job without exactly one complete run, and a run dir that is no job of the sweep's list."""
+    by_job: dict[tuple[str, ...], list[Path]] = {}
+    for member in members:
+        by_job.setdefault(job_key(job_overrides(member) or ()), []).append(member)
+    complete: list[Path] = []
+    incomplete: list[str] = []
+    for number, job in enumerate(sweep_jobs(sweep_dir)):
+        dirs = by_job.pop(job_key(job), [])
+        label = f"{sweep_dir}: job #{number} ({' '.join(job)})"
+        if not dirs:
+            incomplete.append(f"{label}: no run dir")
+        elif len(dirs) > 1:
+            incomplete.append(f"{label}: {len(dirs)} run dirs claim it ({', '.join(map(str, dirs))})")
+        elif (state := verify_run(dirs[0])).complete:
+            complete.append(dirs[0])
+        else:
+            incomplete.append(f"{label} in {dirs[0]}: {state.reason}")
+    for key, dirs in by_job.items():  # left by an earlier sweep into the same dir, or dropped from the list
+        incomplete += [
+            f"{d}: not a job of {sweep_dir / JOBS_FILE} ({' '.join(key) or 'no overrides recorded'}), yet its "
+            "tables may be in the sweep's datasets; remove the dir and its job=<n> partitions, or sweep into a new dir"
+            for d in dirs
+        ]
+    return complete, incomplete
 
 
 def load_run(directory: Path) -> RunTables:
@@ -291,7 +359,7 @@ def run_gate(root: str | Path) -> GateResult:
     root = Path(root)
     if not root.is_dir():
         raise TablesNotFoundError(f"{str(root)!r} is not a directory of rlsweep tables")
-    complete, incomplete, notes = discover(root)
+    complete, incomplete = discover(root)
     if not complete and not incomplete:
         raise TablesNotFoundError(
             f"no rlsweep run ({MANIFEST_FILE}, {CHECKS_TABLE}/, {TOKENS_TABLE}/) in {str(root)!r}"
@@ -305,7 +373,7 @@ def run_gate(root: str | Path) -> GateResult:
     rows += declaration_check(runs, rows)
     sweep_checks = pd.DataFrame(rows, columns=CHECKS_SCHEMA.names).astype({"passed": bool, "expected_pass": bool})
     run_checks = pd.concat([run.checks for run in runs], ignore_index=True) if runs else sweep_checks.iloc[:0]
-    return GateResult(runs, incomplete, sweep_checks, run_checks, notes)
+    return GateResult(runs, incomplete, sweep_checks, run_checks)
 
 
 def declaration_check(runs: Sequence[RunTables], sweep_rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -508,7 +576,6 @@ def summary_markdown(result: GateResult) -> str:
     if result.incomplete:
         lines += [f"Missing or incomplete ({len(result.incomplete)}), so the sweep cannot be GREEN:", ""]
         lines += [f"- {line}" for line in result.incomplete] + [""]
-    lines += [f"- {note}" for note in result.notes]
     lines += ["| profile | tp | judgment | passed | failed | not as expected |", "|---|---:|---|---:|---:|---:|"]
     lines += [
         f"| {r.profile} | {r.tp} | {r.judgment} | {r.passed} | {r.failed} | {r.unexpected} |"

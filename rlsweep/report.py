@@ -187,7 +187,7 @@ def build_sections(root: Path, result: GateResult, checks: pd.DataFrame) -> list
     )
     chain = chain_table(checks, root)
     return [
-        Section("Gate", [status, *[f"INCOMPLETE {line}" for line in result.incomplete], *result.notes]),
+        Section("Gate", [status, *[f"INCOMPLETE {line}" for line in result.incomplete]]),
         Section(
             "Environment",
             [

@@ -20,6 +20,7 @@ from rlsweep_fixtures import multirun, run_rlsweep, table_file, tables_left, wit
 
 from rlsweep.check import main as check_main
 from rlsweep.exitcodes import ExitCode, combine
+from rlsweep.gate import JOBS_FILE, MULTIRUN_FILE, write_job_list
 from rlsweep.locks import locked
 from rlsweep.manifest import HYDRA_CONFIG, MANIFEST_FILE
 from rlsweep.report import main as report_main
@@ -162,6 +163,49 @@ def test_a_table_file_beside_a_single_runs_own_is_not_judged_as_part_of_it(tmp_p
     assert "part-1.parquet" in output and "GREEN" not in output
     code, output = report_main([str(tmp_path), "--out", str(tmp_path / "report")]), capsys.readouterr().err
     assert code == ExitCode.ERROR and "part-1.parquet" in output, output  # no complete run to report on
+
+
+def crash_job_1(sweep: Path) -> None:
+    """Job #1 as a crash leaves it: Hydra's record of the job, no manifest, no tables."""
+    (sweep / "1" / MANIFEST_FILE).unlink()
+    for table in (TOKENS_TABLE, CHECKS_TABLE):
+        shutil.rmtree(sweep / table / "job=1")
+
+
+@pytest.mark.parametrize(
+    "edit, code, message",
+    [
+        ("drop job #1 by hand", ExitCode.ERROR, "was changed after the sweep wrote it"),
+        ("repeat job #0 by hand", ExitCode.ERROR, "was changed after the sweep wrote it"),
+        ("drop job #1 through rlsweep", ExitCode.INCOMPLETE, "not a job of"),
+        ("repeat job #0 through rlsweep", ExitCode.ERROR, "job #1 (profile=cpu_bf16 layout=smoke tp=1) repeats job #0"),
+        ("another sweep in multirun.yaml", ExitCode.ERROR, "multirun.yaml"),
+    ],
+)
+def test_a_job_list_edited_after_a_crash_is_never_green(sweep, capsys, edit, code, message):
+    crash_job_1(sweep)
+    path = sweep / JOBS_FILE
+    record = json.loads(path.read_text())
+    jobs = record["jobs"][:1] if edit.startswith("drop") else [record["jobs"][0]] * 2
+    if edit.endswith("by hand"):
+        path.write_text(json.dumps({**record, "jobs": jobs}))
+    elif edit.endswith("through rlsweep"):
+        write_job_list(sweep, record["sweep"], jobs)
+    else:
+        multirun_yaml = sweep / MULTIRUN_FILE
+        multirun_yaml.write_text(multirun_yaml.read_text().replace("- tp=1,2", "- tp=1"))
+    result, output = check(sweep, capsys)
+    assert result == code, output
+    assert message in output and "GREEN" not in output
+
+
+def test_a_job_dir_left_by_an_earlier_sweep_makes_the_sweep_incomplete(sweep):
+    # The same sweep dir, run again with fewer jobs: job #1's dir and partitions from the first sweep remain, and a
+    # plain pd.read_parquet of the sweep's datasets still loads them.
+    done = multirun(sweep, *SMALL[:2], "tp=1")
+    assert_not_green(done, ExitCode.INCOMPLETE)
+    assert f"{sweep / '1'}: not a job of {sweep / JOBS_FILE}" in done.stdout
+    assert set(pd.read_parquet(sweep / CHECKS_TABLE, columns=["tp"])["tp"]) == {1, 2}
 
 
 def test_a_string_passed_column_is_refused_on_read(green_sweep, tmp_path):

@@ -97,6 +97,16 @@ def test_each_job_is_checked_against_its_own_contract_file(tmp_path):
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
+def test_a_sweep_whose_jobs_repeat_an_override_set_stops_before_any_job_runs(tmp_path):
+    done = multirun(tmp_path, "profile=cpu_bf16", "layout=smoke", "tp=1,2,1")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.strip() == (
+        "rlsweep: error: this sweep: job #2 (profile=cpu_bf16 layout=smoke tp=1) repeats job #0: a job's run is "
+        "found by its overrides, so each job of a sweep must have its own; drop the repeated value"
+    )
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
 def test_every_tp_is_served_by_ranks_that_may_hold_only_padding(tmp_path):
     # At tp=13 ranks 3 to 12 of tiny's vocab in tiles of 1024 hold padding only; the run is judged as any other.
     done = multirun(tmp_path, "profile=cpu_bf16", "layout=smoke", "profile.vocab_tile=1024", "tp=1,13")
