@@ -87,7 +87,7 @@ def run_dirs(path: str | os.PathLike[str]) -> list[Path]:
     root = Path(path)
     if not root.is_dir():
         raise TablesNotFoundError(f"{str(root)!r} is not a directory (expected a run dir, a sweep dir or outputs/)")
-    complete, _ = discover(root)
+    complete, _, _ = discover(root)
     if not complete:
         raise TablesNotFoundError(f"no complete rlsweep run ({MANIFEST_FILE} naming its tables) under {str(root)!r}")
     return sorted(complete, key=natural_key)

@@ -100,6 +100,7 @@ class GateResult:
     incomplete: list[str]  # one line per job or run dir that is missing or not complete
     sweep_checks: pd.DataFrame
     run_checks: pd.DataFrame
+    scope: str = ""  # where only part of a sweep was judged: which jobs of which sweep (``discover``)
 
     @property
     def unexpected(self) -> pd.DataFrame:
@@ -284,10 +285,19 @@ def orphan_tables(root: Path, candidates: set[Path]) -> list[str]:
             sorted(stray)]  # fmt: skip
 
 
-def discover(root: Path) -> tuple[list[Path], list[str]]:
-    """(complete run dirs to judge, what is missing or incomplete) under ``root``.
+def enclosing_sweep(root: Path) -> Path | None:
+    """The sweep dir that ``root`` lies inside (a job dir checked on its own, say), or None."""
+    if (root / MULTIRUN_FILE).is_file():
+        return None
+    return next((parent for parent in root.absolute().parents if (parent / MULTIRUN_FILE).is_file()), None)
 
-    Runs inside a sweep dir are judged against that sweep's job list; runs outside any sweep stand alone.
+
+def discover(root: Path) -> tuple[list[Path], list[str], str]:
+    """(complete run dirs to judge, what is missing or incomplete, the scope when ``root`` is part of a sweep).
+
+    Runs inside a sweep dir are judged against that sweep's job list; runs outside any sweep stand alone. Under a
+    dir inside a sweep (a job dir), its runs are judged as that sweep's jobs, and the sweep's verdict is not there
+    to give: its other jobs and its cross-run verdicts are not under ``root``, so that is INCOMPLETE.
     """
     sweeps = sorted({path.parent for path in root.rglob(MULTIRUN_FILE)}, key=lambda p: len(p.parts), reverse=True)
     candidates = candidate_dirs(root)
@@ -301,31 +311,46 @@ def discover(root: Path) -> tuple[list[Path], list[str]]:
             claimed.add(sweep_dir)
             incomplete.append(f"{sweep_dir}: a single run ({listed(marks, sweep_dir)}) in this sweep dir, whose "
                               "datasets it shares with the sweep's jobs; not judged")  # fmt: skip
-        found, missing = sweep_runs(sweep_dir, members)
+        found, missing, _ = sweep_runs(sweep_dir, members)
         complete += found
         incomplete += missing
+    scope = ""
+    outer = enclosing_sweep(root)
+    if outer is not None and (members := sorted(candidates - claimed)):
+        claimed.update(members)
+        found, missing, jobs = sweep_runs(outer, members, whole=False)
+        complete += found
+        scope = f"{', '.join(jobs) or 'no job'} of the sweep {outer} only"
+        incomplete += [*missing, f"{root}: {scope}; its other jobs and its cross-run verdicts are not under this dir, "
+                       f"so this is not the sweep's verdict: python -m rlsweep.check {outer} gives it"]  # fmt: skip
     for run_dir in sorted(candidates - claimed):
         state = verify_run(run_dir)
         if state.complete:
             complete.append(run_dir)
         else:
             incomplete.append(f"{run_dir}: {state.reason}")
-    return complete, incomplete + orphan_tables(root, candidates)
+    return complete, incomplete + orphan_tables(root, candidates), scope
 
 
-def sweep_runs(sweep_dir: Path, members: Sequence[Path]) -> tuple[list[Path], list[str]]:
-    """The complete runs of a sweep's jobs among ``members`` (the run dirs under it), and what is missing or
-    incomplete: a job without exactly one complete run, and a run dir that is no job of the sweep's list."""
+def sweep_runs(sweep_dir: Path, members: Sequence[Path], whole: bool = True) -> tuple[list[Path], list[str], list[str]]:
+    """The complete runs of a sweep's jobs among ``members`` (the run dirs under it), what is missing or incomplete
+    (a job without exactly one complete run, a run dir that is no job of the sweep's list), and the jobs found.
+
+    ``whole``: ``members`` are all of the sweep's run dirs, so a job without one is missing; else only some are.
+    """
     by_job: dict[tuple[str, ...], list[Path]] = {}
     for member in members:
         by_job.setdefault(job_key(job_overrides(member) or ()), []).append(member)
     complete: list[Path] = []
     incomplete: list[str] = []
+    found: list[str] = []
     for number, job in enumerate(sweep_jobs(sweep_dir)):
         dirs = by_job.pop(job_key(job), [])
-        label = f"{sweep_dir}: job #{number} ({' '.join(job)})"
+        name = f"job #{number} ({' '.join(job)})"
+        found += [name] if dirs else []
+        label = f"{sweep_dir}: {name}"
         if not dirs:
-            incomplete.append(f"{label}: no run dir")
+            incomplete += [f"{label}: no run dir"] if whole else []
         elif len(dirs) > 1:
             incomplete.append(f"{label}: {len(dirs)} run dirs claim it ({', '.join(map(str, dirs))})")
         elif (state := verify_run(dirs[0])).complete:
@@ -338,7 +363,7 @@ def sweep_runs(sweep_dir: Path, members: Sequence[Path]) -> tuple[list[Path], li
             "tables may be in the sweep's datasets; remove the dir and its job=<n> partitions, or sweep into a new dir"
             for d in dirs
         ]
-    return complete, incomplete
+    return complete, incomplete, found
 
 
 def load_run(directory: Path) -> RunTables:
@@ -359,7 +384,7 @@ def run_gate(root: str | Path) -> GateResult:
     root = Path(root)
     if not root.is_dir():
         raise TablesNotFoundError(f"{str(root)!r} is not a directory of rlsweep tables")
-    complete, incomplete = discover(root)
+    complete, incomplete, scope = discover(root)
     if not complete and not incomplete:
         raise TablesNotFoundError(
             f"no rlsweep run ({MANIFEST_FILE}, {CHECKS_TABLE}/, {TOKENS_TABLE}/) in {str(root)!r}"
@@ -373,7 +398,7 @@ def run_gate(root: str | Path) -> GateResult:
     rows += declaration_check(runs, rows)
     sweep_checks = pd.DataFrame(rows, columns=CHECKS_SCHEMA.names).astype({"passed": bool, "expected_pass": bool})
     run_checks = pd.concat([run.checks for run in runs], ignore_index=True) if runs else sweep_checks.iloc[:0]
-    return GateResult(runs, incomplete, sweep_checks, run_checks)
+    return GateResult(runs, incomplete, sweep_checks, run_checks, scope)
 
 
 def declaration_check(runs: Sequence[RunTables], sweep_rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -572,7 +597,8 @@ def verdict_counts(result: GateResult) -> pd.DataFrame:
 
 def summary_markdown(result: GateResult) -> str:
     counts = verdict_counts(result)
-    lines = ["# Sweep summary", "", f"Complete runs judged: {len(result.runs)}.", ""]
+    judged = f"Complete runs judged: {len(result.runs)}" + (f" ({result.scope})" if result.scope else "")
+    lines = ["# Sweep summary", "", f"{judged}.", ""]
     if result.incomplete:
         lines += [f"Missing or incomplete ({len(result.incomplete)}), so the sweep cannot be GREEN:", ""]
         lines += [f"- {line}" for line in result.incomplete] + [""]

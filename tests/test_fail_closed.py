@@ -208,6 +208,20 @@ def test_a_job_dir_left_by_an_earlier_sweep_makes_the_sweep_incomplete(sweep):
     assert set(pd.read_parquet(sweep / CHECKS_TABLE, columns=["tp"])["tp"]) == {1, 2}
 
 
+@pytest.mark.parametrize("crashed", [False, True], ids=["every job complete", "job #1 crashed"])
+def test_a_job_dir_checked_alone_is_never_the_sweeps_green(sweep, capsys, crashed):
+    # The job's tables live in the sweep's partitions; the sweep's other jobs and its cross-run verdicts are not under
+    # the job dir, so what is judged there is not the sweep's verdict.
+    if crashed:
+        crash_job_1(sweep)
+    code, output = check(sweep / "0", capsys)
+    assert code == ExitCode.INCOMPLETE, output
+    job = "job #0 (profile=cpu_bf16 layout=smoke tp=1)"
+    assert output.strip().splitlines()[-1].startswith(f"sweep gate: {job} of the sweep {sweep} only: 1 runs")
+    assert f"python -m rlsweep.check {sweep}" in output
+    assert "profile" in output and " 32 " in output  # the job's own verdicts, read from the sweep's partitions
+
+
 def test_a_string_passed_column_is_refused_on_read(green_sweep, tmp_path):
     # "False" as a string is truthy: such a column must never be read as verdicts.
     table = pq.read_table(table_file(green_sweep / "0", CHECKS_TABLE))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rlsweep_fixtures import multirun, table_file
+from rlsweep_fixtures import multirun, run_rlsweep, table_file
 
 from rlsweep import analysis, environment, plots
 from rlsweep.exitcodes import ExitCode
@@ -81,13 +81,20 @@ def test_the_red_table_lists_every_unexpected_verdict_with_its_first_divergence(
         assert any(cells in line and first in line and f"| {row.tp} |" in line for line in rows), row
 
 
-def test_a_green_run_dir_exits_0_and_writes_only_to_out(small_sweep, tmp_path, capsys):
-    green = next(d for d in analysis.run_dirs(small_sweep) if run_gate(d).exit_code == 0)
+def test_a_green_run_dir_exits_0_and_writes_only_to_out(tmp_path, capsys):
+    green = tmp_path / "run"  # a run of its own: a sweep's job dir alone is only part of its sweep (INCOMPLETE)
+    assert run_rlsweep(green, "layout=smoke").returncode == ExitCode.GREEN
     before = sorted(p.name for p in green.iterdir())
     assert main([str(green), "--out", str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / REPORT_HTML).is_file()
     assert sorted(p.name for p in green.iterdir()) == before
     assert "Gate: **GREEN** (exit code 0)" in (tmp_path / "out" / REPORT_MARKDOWN).read_text()
+
+
+def test_a_job_dir_is_reported_as_part_of_its_sweep_never_as_its_verdict(small_sweep, tmp_path):
+    job = analysis.run_dirs(small_sweep)[0]
+    assert main([str(job), "--out", str(tmp_path)]) == ExitCode.INCOMPLETE
+    assert f"of the sweep {small_sweep} only: 1 runs" in (tmp_path / REPORT_MARKDOWN).read_text()
 
 
 def test_a_crashed_job_is_incomplete_and_still_reported(small_sweep, tmp_path):
