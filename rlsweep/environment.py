@@ -87,8 +87,10 @@ def available_memory(device: str) -> tuple[int, str] | None:
         return None
 
 
-def environment(device: str) -> dict[str, Any]:
-    """Where a run computed: device, library versions, platform, git commit (the report's Environment section)."""
+def computing_environment(device: str) -> dict[str, Any]:
+    """What besides the config, its input files and the code can change a run's numbers: the device (GPU name,
+    capability and CUDA version, or the CPU and torch's thread count) and the versions of torch, triton and Python.
+    A run's resume hash covers it (``rlsweep.manifest.identify``)."""
     try:  # the installed version, without importing triton (importing it fixes its interpreter mode)
         triton_version = importlib.metadata.version("triton")
     except importlib.metadata.PackageNotFoundError:  # pragma: no cover - triton is a dependency
@@ -98,6 +100,9 @@ def environment(device: str) -> dict[str, Any]:
         "torch": torch.__version__,
         "triton": triton_version,
         "python": platform.python_version(),
-        "platform": platform.platform(),
-        "git_commit": git_commit(),
     }
+
+
+def environment(device: str) -> dict[str, Any]:
+    """Where a run computed: device, library versions, platform, git commit (the report's Environment section)."""
+    return {**computing_environment(device), "platform": platform.platform(), "git_commit": git_commit()}

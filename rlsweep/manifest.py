@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import json
 import os
 from collections.abc import Mapping
@@ -22,8 +23,8 @@ import yaml
 
 import kernels
 from rlsweep import CONF_DIR
-from rlsweep.environment import git_commit
-from rlsweep.errors import ReplayInputError, TablesNotFoundError
+from rlsweep.environment import computing_environment, git_commit
+from rlsweep.errors import ConfigError, ReplayInputError, TablesNotFoundError
 from rlsweep.tables import RUN_TABLES, RunLocation, hidden, remove_tables, write_tables
 
 MANIFEST_FILE = "manifest.json"
@@ -62,21 +63,41 @@ def file_sha256(path: str | Path, what: str) -> str:
     return digest.hexdigest()
 
 
+def module_sources(name: str) -> list[Path]:
+    """Where the sources of an importable module live: its top-level package's folders (so the helpers beside it
+    count), or the module's own file when it is a module of its own."""
+    top = name.split(".")[0]
+    try:
+        module = importlib.import_module(top)
+    except Exception as err:
+        raise ConfigError(f"backend_module={name!r}: {top!r} cannot be imported to hash its sources ({err})") from err
+    sources = list(getattr(module, "__path__", None) or [getattr(module, "__file__", None)])
+    if not all(sources):
+        raise ConfigError(
+            f"backend_module={name!r}: {top!r} has no source file or folder to hash, so a resumed sweep could not "
+            "tell an edit of it; load the backend from a .py module or a package"
+        )
+    return [Path(source) for source in sources]
+
+
 @functools.cache
-def code_version() -> dict[str, Any]:
-    """The code that computes a run: git commit (with +dirty) and a hash of the packages' sources.
+def code_version(backend_module: str | None = None) -> dict[str, Any]:
+    """The code that computes a run: git commit (with +dirty) and a hash of the sources of ``kernels``, ``rlsweep``
+    and ``conf`` and, where the profile loads a backend of its own, of that module (``module_sources``).
 
     The sources hash decides resume; the commit is for people (a dirty tree alone cannot tell two edits apart).
     """
-    roots = {
-        "kernels": Path(kernels.__file__).parent,
-        "rlsweep": Path(__file__).parent,
-        "conf": CONF_DIR,
-    }
+    roots = [("kernels", Path(kernels.__file__).parent), ("rlsweep", Path(__file__).parent), ("conf", CONF_DIR)]
+    if backend_module:
+        roots += [(f"backend_module={backend_module}", root) for root in module_sources(backend_module)]
     digest = hashlib.sha256()
-    for package, root in roots.items():
-        for path in sorted(p for p in root.rglob("*") if p.suffix in SOURCE_SUFFIXES and p.is_file()):
-            digest.update(f"{package}/{path.relative_to(root).as_posix()}\0".encode())
+    for package, root in roots:
+        if root.is_file():  # a module of its own: the file, by its name
+            files, base = [root], root.parent
+        else:
+            files, base = sorted(p for p in root.rglob("*") if p.suffix in SOURCE_SUFFIXES and p.is_file()), root
+        for path in files:
+            digest.update(f"{package}/{path.relative_to(base).as_posix()}\0".encode())
             digest.update(path.read_bytes())
     return {"git_commit": git_commit(), "sources_sha256": digest.hexdigest()}
 
@@ -102,6 +123,7 @@ class RunIdentity:
     inputs: Mapping[str, str]
     code: Mapping[str, Any]
     saved_config_sha256: str | None = None  # of the config text Hydra saves beside the run (config_text_sha256)
+    environment: Mapping[str, Any] | None = None  # where it computes (rlsweep.environment.computing_environment)
 
     @property
     def run_id(self) -> str:
@@ -112,13 +134,18 @@ class RunIdentity:
 def identify(config: Mapping[str, Any], saved_config_sha256: str | None = None) -> RunIdentity:
     """The identity of a resolved run config (plain containers); reads and hashes its input files.
 
+    The content hash covers everything that would produce the run now: the config, its input files, the code (a
+    backend module the profile loads included) and the environment it computes in.
     ``saved_config_sha256``: the hash of the config file Hydra saves beside the run, where it saves one.
     """
     config_hash = canonical_sha256(config)
     inputs = input_files(config)
-    code = code_version()
-    content = canonical_sha256({"config": config_hash, "inputs": inputs, "code": code["sources_sha256"]})
-    return RunIdentity(config_hash, content, inputs, code, saved_config_sha256)
+    code = code_version(config["profile"].get("backend_module"))
+    computing = computing_environment(config["profile"]["device"])
+    content = canonical_sha256(
+        {"config": config_hash, "inputs": inputs, "code": code["sources_sha256"], "environment": computing}
+    )
+    return RunIdentity(config_hash, content, inputs, code, saved_config_sha256, computing)
 
 
 def write_manifest(location: RunLocation, identity: RunIdentity, tables: Mapping[str, Path]) -> dict[str, Any]:
@@ -131,6 +158,7 @@ def write_manifest(location: RunLocation, identity: RunIdentity, tables: Mapping
         "content_sha256": identity.content_sha256,
         "inputs": dict(identity.inputs),
         "code": dict(identity.code),
+        "environment": identity.environment,
         "tables": {
             name: {"path": os.path.relpath(path, location.run_dir), "sha256": file_sha256(path, "table")}
             for name, path in tables.items()

@@ -195,7 +195,7 @@ def build_sections(root: Path, result: GateResult, checks: pd.DataFrame) -> list
                 "Where the runs computed, as each recorded it (tables' metadata, manifest): one column per distinct "
                 "device, python, torch and triton versions, code and contract. 'git commit' ends in '+dirty' when "
                 "the checkout had uncommitted changes; 'sources sha256' hashes the kernels, rlsweep and conf sources "
-                "that ran, so it tells two dirty trees apart."
+                "that ran (and the profile's backend_module where it loads one), so it tells two dirty trees apart."
             ],
             environments(result, root),
         ),

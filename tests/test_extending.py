@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,11 +17,13 @@ TESTS = Path(__file__).parent
 TOY_CONF = TESTS / "toy_conf"
 
 
-def rlsweep(directory: Path, *overrides: str, config_dir: Path = TOY_CONF) -> subprocess.CompletedProcess:
-    """``python -m rlsweep --config-dir <config_dir> ... --multirun`` with tests/ on the import path."""
+def rlsweep(
+    directory: Path, *overrides: str, config_dir: Path = TOY_CONF, modules: Path = TESTS
+) -> subprocess.CompletedProcess:
+    """``python -m rlsweep --config-dir <config_dir> ... --multirun`` with ``modules`` (tests/) on the import path."""
     command = [sys.executable, "-m", "rlsweep", "--config-dir", str(config_dir), f"hydra.sweep.dir={directory}",
                *overrides, "--multirun"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(modules), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=TESTS.parent)
 
 
@@ -60,3 +63,22 @@ def test_a_profile_whose_backend_cannot_be_found_stops_before_any_job(tmp_path, 
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "job #0" in lines[0], done.stderr
     assert not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.xdist_group("extending")
+def test_resume_reruns_a_job_whose_backend_module_changed(tmp_path):
+    # The backend is a user's module outside rlsweep: an edit to it must redo the job, not reuse its old verdicts.
+    project = tmp_path / "project"
+    (project / "conf" / "profile").mkdir(parents=True)
+    shutil.copy(TESTS / "toy_backend.py", project)
+    shutil.copy(TOY_CONF / "profile" / "toy_cpu.yaml", project / "conf" / "profile")
+    overrides = ("profile=toy_cpu", "layout=smoke", "tp=1")
+    first = rlsweep(tmp_path / "sweep", *overrides, config_dir=project / "conf", modules=project)
+    assert first.returncode == ExitCode.GREEN, first.stdout + first.stderr
+    backend = project / "toy_backend.py"
+    merge = "lse = top + torch.log(total)"
+    assert merge in backend.read_text()
+    backend.write_text(backend.read_text().replace(merge, f"{merge} + 0.5"))  # every lse off by 0.5
+    second = rlsweep(tmp_path / "sweep", *overrides, config_dir=project / "conf", modules=project)
+    assert second.returncode == ExitCode.RED, second.stdout + second.stderr
+    assert "skipping" not in second.stdout

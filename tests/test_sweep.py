@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 from pathlib import Path
 
 import pandas as pd
 import pytest
-from rlsweep_fixtures import multirun, with_fault
+import torch
+from rlsweep_fixtures import compose_run, multirun, with_fault
 
+from rlsweep import environment
 from rlsweep.check import main as check_main
+from rlsweep.config import run_spec
 from rlsweep.gate import SUMMARY_FILE, SWEEP_CHECKS_TABLE
+from rlsweep.manifest import identify
 from rlsweep.tables import CHECKS_TABLE, PART_FILE, TOKENS_TABLE
 
 SMALL = ("layout=smoke", "tp=1,2")
@@ -123,6 +128,29 @@ def test_rerun_into_the_same_sweep_dir_skips_complete_jobs(tmp_path):
     assert second.returncode == 0, second.stdout + second.stderr
     assert second.stdout.count("is complete in") == 2 and "(same content)" in second.stdout
     assert {path: path.stat().st_mtime_ns for path in tmp_path.rglob(PART_FILE)} == written
+
+
+def other_thread_count(patch: pytest.MonkeyPatch) -> None:
+    """torch's CPU thread count decides how aten splits a reduction, so it can change a run's bits."""
+    threads = torch.get_num_threads()
+    patch.setattr(torch, "get_num_threads", lambda: threads + 1)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda patch: patch.setattr(torch, "__version__", "0.0.0"),
+        lambda patch: patch.setattr(importlib.metadata, "version", lambda name: "0.0.0"),  # triton's, read installed
+        other_thread_count,
+        lambda patch: patch.setattr(environment, "cpu_name", lambda: "another CPU"),
+    ],
+    ids=["torch", "triton", "CPU threads", "CPU"],
+)
+def test_resume_content_covers_the_environment_that_computes(monkeypatch, change):
+    config = run_spec(compose_run("layout=smoke")).config
+    before = identify(config).content_sha256
+    change(monkeypatch)
+    assert identify(config).content_sha256 != before
 
 
 @pytest.mark.parametrize(
