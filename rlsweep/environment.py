@@ -49,12 +49,15 @@ def cpu_name() -> str:
 def device_info(device: str) -> dict[str, Any]:
     """The device a run computed on: the GPU's name, capability and count, or the CPU's name and torch's threads."""
     if device == "cuda" and torch.cuda.is_available():
-        return {
-            "name": torch.cuda.get_device_name(0),
-            "capability": ".".join(map(str, torch.cuda.get_device_capability(0))),
-            "count": torch.cuda.device_count(),
-            "cuda": torch.version.cuda,
-        }
+        try:
+            return {
+                "name": torch.cuda.get_device_name(0),
+                "capability": ".".join(map(str, torch.cuda.get_device_capability(0))),
+                "count": torch.cuda.device_count(),
+                "cuda": torch.version.cuda,
+            }
+        except (RuntimeError, AssertionError) as err:  # CUDA cannot be queried: the run's own CUDA checks report it
+            return {"name": f"none: CUDA cannot be queried ({' '.join(str(err).split())})", "capability": None}
     if device == "cuda":  # the run stopped on provenance: say so rather than name the CPU as its device
         return {"name": f"none: torch.cuda.is_available() is False on {cpu_name()}", "capability": None}
     return {"name": cpu_name(), "capability": None, "threads": torch.get_num_threads()}
