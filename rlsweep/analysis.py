@@ -24,8 +24,9 @@ import pyarrow as pa
 import torch
 
 import kernels
+from rlsweep.discovery import discover
 from rlsweep.errors import SelectionError, TablesNotFoundError
-from rlsweep.gate import COMPARABLE_COLUMNS, SWEEP_CHECKS_TABLE, baseline_order, count_verdicts, discover
+from rlsweep.gate import COMPARABLE_COLUMNS, SWEEP_CHECKS_TABLE, baseline_order, count_verdicts
 from rlsweep.manifest import MANIFEST_FILE, verify_run
 from rlsweep.spec import CANONICAL_CELL
 from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, TOKENS_SCHEMA, TOKENS_TABLE, read_table

@@ -21,9 +21,9 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from rlsweep.config import job_list, run_spec, sweep_record
+from rlsweep.discovery import refuse_run_over_sweep, refuse_sweep_over_run, write_job_list
 from rlsweep.errors import ConfigError
 from rlsweep.exitcodes import ExitCode, one_line
-from rlsweep.gate import refuse_run_over_sweep, refuse_sweep_over_run, write_job_list
 from rlsweep.locks import acquire
 from rlsweep.manifest import MANIFEST_FILE, verify_run
 from rlsweep.run import preflight

@@ -16,8 +16,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from rlsweep.discovery import check_distinct_jobs
 from rlsweep.errors import ConfigError, RlsweepError
-from rlsweep.gate import check_distinct_jobs
 from rlsweep.manifest import config_text_sha256
 from rlsweep.spec import RunSpec, parse_run_spec
 

@@ -9,8 +9,6 @@ seed and tp. Reading from disk makes the gate work with any launcher.
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -21,43 +19,28 @@ from typing import Any
 import pandas as pd
 import pyarrow as pa
 import torch
-import yaml
 
 import kernels
 from rlsweep.contract import Contract, contract_from_mapping, op_class
-from rlsweep.errors import ConfigError, OutputDirError, TablesNotFoundError
+from rlsweep.discovery import discover
+from rlsweep.errors import TablesNotFoundError
 from rlsweep.exitcodes import ExitCode, combine
 from rlsweep.judgments import apply_expected, compare_tokens, declaration_verdict
-from rlsweep.manifest import (
-    HYDRA_CONFIG,
-    MANIFEST_FILE,
-    canonical_sha256,
-    read_manifest,
-    table_files,
-    verify_run,
-)
+from rlsweep.manifest import MANIFEST_FILE, verify_run
 from rlsweep.spec import CANONICAL_CELL, ExpectedRed, declarations_of
 from rlsweep.tables import (
     CHECKS_SCHEMA,
     CHECKS_TABLE,
     RUN_COLUMNS,
-    RUN_TABLES,
     TOKENS_SCHEMA,
     TOKENS_TABLE,
     TableError,
-    dataset_entries,
-    hidden,
-    is_partition,
     read_metadata,
     read_table,
     write_tables,
 )
 from rlsweep.verdicts import FORWARD_TENSORS, REPORTED_ONLY, SWEEP_JUDGMENTS, Judgment, Tensor, Verdict, as_expected
 
-MULTIRUN_FILE = "multirun.yaml"  # Hydra's record of a sweep: its sweeper, parameters and overrides
-JOBS_FILE = "jobs.json"  # every job's overrides, written at the sweep's start (rlsweep.callbacks)
-JOBS_FORMAT = "rlsweep-sweep-jobs/2"
-JOB_OVERRIDES = Path(".hydra") / "overrides.yaml"
 SWEEP_CHECKS_TABLE = "sweep_checks.parquet"
 SUMMARY_FILE = "summary.md"
 TP_MODE_ORDER = ("emulated", "distributed")  # the baseline of a tp group is emulated when both ran
@@ -112,258 +95,6 @@ class GateResult:
         """INCOMPLETE when a job or table is missing, else RED on any unexpected verdict, else GREEN."""
         found = [ExitCode.INCOMPLETE] if self.incomplete else []
         return combine(found + ([ExitCode.RED] if len(self.unexpected) else []))
-
-
-def job_key(overrides: Sequence[str]) -> tuple[str, ...]:
-    """What tells a sweep's jobs apart: the set of their overrides, as Hydra records them in each job's dir."""
-    return tuple(sorted(overrides))
-
-
-def check_distinct_jobs(jobs: Sequence[Sequence[str]], where: str) -> None:
-    """No two jobs of a sweep with the same overrides: the gate finds a job's run dir by them."""
-    first: dict[tuple[str, ...], int] = {}
-    for number, job in enumerate(jobs):
-        earlier = first.setdefault(job_key(job), number)
-        if earlier != number:
-            raise ConfigError(
-                f"{where}: job #{number} ({' '.join(job)}) repeats job #{earlier}: a job's run is found by its "
-                "overrides, so each job of a sweep must have its own; drop the repeated value"
-            )
-
-
-def job_list_sha256(sweep: Any, jobs: Sequence[Sequence[str]]) -> str:
-    return canonical_sha256({"sweep": sweep, "jobs": [list(job) for job in jobs]})
-
-
-def write_job_list(sweep_dir: Path, sweep: dict[str, Any], jobs: Sequence[Sequence[str]]) -> None:
-    """Record at the sweep's start what Hydra expands its jobs from (``rlsweep.config.sweep_record``), every job's
-    overrides, and the sha256 of both, for the gate to judge the sweep against."""
-    record = {"format": JOBS_FORMAT, "sweep": sweep, "jobs": [list(job) for job in jobs]}
-    text = json.dumps({**record, "sha256": job_list_sha256(sweep, jobs)}, indent=2) + "\n"
-    write_tables(sweep_dir, {}, files={JOBS_FILE: text})
-
-
-def hydra_sweep_record(sweep_dir: Path) -> dict[str, Any]:
-    """What Hydra's ``multirun.yaml`` says the sweep's jobs are expanded from: the sweeper's params, the overrides."""
-    path = sweep_dir / MULTIRUN_FILE
-    try:
-        hydra = yaml.safe_load(path.read_text())["hydra"]
-        return {"params": hydra["sweeper"]["params"], "task": hydra["overrides"]["task"]}
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError) as err:
-        raise TableError(
-            f"{str(path)!r} cannot be read as Hydra's record of the sweep: {type(err).__name__}: "
-            f"{' '.join(str(err).split())}"
-        ) from err
-
-
-def sweep_jobs(sweep_dir: Path) -> list[tuple[str, ...]]:
-    """Every job's overrides, in job order, as the sweep recorded them at its start (``write_job_list``).
-
-    The list must be the one rlsweep wrote (its sha256), for the sweep Hydra recorded beside it (``multirun.yaml``),
-    each job once: a list edited by hand, or copied from another sweep, would judge a sweep against other jobs.
-    """
-    path = sweep_dir / JOBS_FILE
-    try:
-        record = json.loads(path.read_text())
-        if record.get("format") != JOBS_FORMAT or not all(
-            isinstance(job, list) and all(isinstance(o, str) for o in job) for job in record["jobs"]
-        ):
-            raise ValueError(f"not an rlsweep job list ({JOBS_FORMAT})")
-        jobs = [tuple(job) for job in record["jobs"]]
-        if record.get("sha256") != job_list_sha256(record.get("sweep"), jobs):
-            raise ValueError(
-                "it was changed after the sweep wrote it: its sha256 does not match its jobs; rerun the sweep into "
-                "this dir (the same overrides and --multirun) to write it again"
-            )
-        recorded = hydra_sweep_record(sweep_dir)
-        if canonical_sha256(recorded) != canonical_sha256(record["sweep"]):
-            raise ValueError(
-                f"it lists the jobs of {json.dumps(record['sweep'], sort_keys=True)}, but {MULTIRUN_FILE} records "
-                f"the sweep {json.dumps(recorded, sort_keys=True)}"
-            )
-        check_distinct_jobs(jobs, "its jobs")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise TableError(
-            f"{str(path)!r} cannot be read as the sweep's job list ({' '.join(str(err).split())}); rlsweep writes "
-            "it when a sweep starts, so this sweep was not started by rlsweep or its record is damaged"
-        ) from err
-    return jobs
-
-
-def job_overrides(run_dir: Path) -> tuple[str, ...] | None:
-    path = run_dir / JOB_OVERRIDES
-    if not path.is_file():
-        return None
-    try:
-        overrides = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return None
-    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
-        return None
-    return tuple(overrides)
-
-
-def sweep_marks(directory: Path) -> list[Path]:
-    """What shows that ``directory`` holds a sweep: Hydra's multirun.yaml, the job list, ``job=<n>`` partitions."""
-    marks = [directory / name for name in (MULTIRUN_FILE, JOBS_FILE) if (directory / name).exists()]
-    return marks + [entry for entry in dataset_entries(directory) if is_partition(entry)]
-
-
-def single_run_marks(directory: Path) -> list[Path]:
-    """What shows that ``directory`` holds a single run: its manifest, Hydra's record of a run, tables outside a
-    partition."""
-    marks = [directory / name for name in (MANIFEST_FILE, HYDRA_CONFIG) if (directory / name).exists()]
-    return marks + [entry for entry in dataset_entries(directory) if not is_partition(entry)]
-
-
-def listed(paths: Sequence[Path], directory: Path, limit: int = 4) -> str:
-    names = [str(path.relative_to(directory)) for path in paths]
-    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def named_dir(directory: Path, key: str | None) -> str:
-    return f"output directory {str(directory)!r}" + (f" ({key})" if key else "")
-
-
-def refuse_sweep_over_run(sweep_dir: Path) -> None:
-    """A sweep never starts in a dir that holds a single run: the gate would take that run for one of its jobs."""
-    marks = single_run_marks(sweep_dir)
-    if marks:
-        raise OutputDirError(
-            f"{named_dir(sweep_dir, 'hydra.sweep.dir')} holds a single run ({listed(marks, sweep_dir)}); a sweep "
-            "there would mix its jobs' tables with that run's: choose another hydra.sweep.dir (a new one, or a "
-            "sweep's to resume it), or move the run away"
-        )
-
-
-def refuse_run_over_sweep(run_dir: Path, key: str | None = None) -> None:
-    """A single run never writes into a sweep's dir: it would replace the datasets that hold the sweep's partitions."""
-    marks = sweep_marks(run_dir)
-    if marks:
-        raise OutputDirError(
-            f"{named_dir(run_dir, key)} holds a sweep ({listed(marks, run_dir)}); a single run there would delete the "
-            "sweep's tables: write the run elsewhere (hydra.run.dir=..., tables_dir=...), or run the sweep again with "
-            "--multirun to redo its jobs"
-        )
-
-
-def candidate_dirs(root: Path) -> set[Path]:
-    """Directories that hold, or were meant to hold, a run: a manifest or Hydra's job record."""
-    found = {path.parent for path in root.rglob(MANIFEST_FILE)}
-    return found | {path.parent.parent for path in root.rglob(str(HYDRA_CONFIG))}
-
-
-def visible_tables(root: Path) -> set[Path]:
-    """Every file (or link) a dataset reader would load from the tokens/ and checks/ folders under ``root``, whatever
-    its name, hidden names aside; as absolute paths, ``..`` resolved by name (links stay links)."""
-    found = set()
-    for name in RUN_TABLES:
-        for folder in root.rglob(name):
-            for path in folder.rglob("*") if folder.is_dir() and not folder.is_symlink() else [folder]:
-                if (path.is_file() or path.is_symlink()) and not any(hidden(p) for p in path.relative_to(root).parts):
-                    found.add(lexical(path))
-    return found
-
-
-def lexical(path: Path) -> Path:
-    return Path(os.path.normpath(path.absolute()))
-
-
-def orphan_tables(root: Path, candidates: set[Path]) -> list[str]:
-    """Table files that no run's manifest names: left by a crash, an older sweep or a copy, never data to trust.
-
-    A file in the folder of a table that a manifest names is that run's to report (``verify_run``).
-    """
-    named = set()
-    for directory in candidates:
-        manifest, _ = read_manifest(directory)
-        if manifest is not None:
-            named |= {lexical(path) for path in table_files(directory, manifest).values()}
-    folders = {path.parent for path in named}
-    stray = [path for path in visible_tables(root) - named if path.parent not in folders]
-    return [f"{path}: no run's {MANIFEST_FILE} names this table file (stale, partial or copied)" for path in
-            sorted(stray)]  # fmt: skip
-
-
-def enclosing_sweep(root: Path) -> Path | None:
-    """The sweep dir that ``root`` lies inside (a job dir checked on its own, say), or None."""
-    if (root / MULTIRUN_FILE).is_file():
-        return None
-    return next((parent for parent in root.absolute().parents if (parent / MULTIRUN_FILE).is_file()), None)
-
-
-def discover(root: Path) -> tuple[list[Path], list[str], str]:
-    """(complete run dirs to judge, what is missing or incomplete, the scope when ``root`` is part of a sweep).
-
-    Runs inside a sweep dir are judged against that sweep's job list; runs outside any sweep stand alone. Under a
-    dir inside a sweep (a job dir), its runs are judged as that sweep's jobs, and the sweep's verdict is not there
-    to give: its other jobs and its cross-run verdicts are not under ``root``, so that is INCOMPLETE.
-    """
-    sweeps = sorted({path.parent for path in root.rglob(MULTIRUN_FILE)}, key=lambda p: len(p.parts), reverse=True)
-    candidates = candidate_dirs(root)
-    complete: list[Path] = []
-    incomplete: list[str] = []
-    claimed: set[Path] = set()
-    for sweep_dir in sweeps:
-        members = sorted(d for d in candidates - claimed if d.is_relative_to(sweep_dir) and d != sweep_dir)
-        claimed.update(members)
-        if marks := single_run_marks(sweep_dir):  # never one of the sweep's runs, nor a run beside it
-            claimed.add(sweep_dir)
-            incomplete.append(f"{sweep_dir}: a single run ({listed(marks, sweep_dir)}) in this sweep dir, whose "
-                              "datasets it shares with the sweep's jobs; not judged")  # fmt: skip
-        found, missing, _ = sweep_runs(sweep_dir, members)
-        complete += found
-        incomplete += missing
-    scope = ""
-    outer = enclosing_sweep(root)
-    if outer is not None and (members := sorted(candidates - claimed)):
-        claimed.update(members)
-        found, missing, jobs = sweep_runs(outer, members, whole=False)
-        complete += found
-        scope = f"{', '.join(jobs) or 'no job'} of the sweep {outer} only"
-        incomplete += [*missing, f"{root}: {scope}; its other jobs and its cross-run verdicts are not under this dir, "
-                       f"so this is not the sweep's verdict: python -m rlsweep.check {outer} gives it"]  # fmt: skip
-    for run_dir in sorted(candidates - claimed):
-        state = verify_run(run_dir)
-        if state.complete:
-            complete.append(run_dir)
-        else:
-            incomplete.append(f"{run_dir}: {state.reason}")
-    return complete, incomplete + orphan_tables(root, candidates), scope
-
-
-def sweep_runs(sweep_dir: Path, members: Sequence[Path], whole: bool = True) -> tuple[list[Path], list[str], list[str]]:
-    """The complete runs of a sweep's jobs among ``members`` (the run dirs under it), what is missing or incomplete
-    (a job without exactly one complete run, a run dir that is no job of the sweep's list), and the jobs found.
-
-    ``whole``: ``members`` are all of the sweep's run dirs, so a job without one is missing; else only some are.
-    """
-    by_job: dict[tuple[str, ...], list[Path]] = {}
-    for member in members:
-        by_job.setdefault(job_key(job_overrides(member) or ()), []).append(member)
-    complete: list[Path] = []
-    incomplete: list[str] = []
-    found: list[str] = []
-    for number, job in enumerate(sweep_jobs(sweep_dir)):
-        dirs = by_job.pop(job_key(job), [])
-        name = f"job #{number} ({' '.join(job)})"
-        found += [name] if dirs else []
-        label = f"{sweep_dir}: {name}"
-        if not dirs:
-            incomplete += [f"{label}: no run dir"] if whole else []
-        elif len(dirs) > 1:
-            incomplete.append(f"{label}: {len(dirs)} run dirs claim it ({', '.join(map(str, dirs))})")
-        elif (state := verify_run(dirs[0])).complete:
-            complete.append(dirs[0])
-        else:
-            incomplete.append(f"{label} in {dirs[0]}: {state.reason}")
-    for key, dirs in by_job.items():  # left by an earlier sweep into the same dir, or dropped from the list
-        incomplete += [
-            f"{d}: not a job of {sweep_dir / JOBS_FILE} ({' '.join(key) or 'no overrides recorded'}), yet its "
-            "tables may be in the sweep's datasets; remove the dir and its job=<n> partitions, or sweep into a new dir"
-            for d in dirs
-        ]
-    return complete, incomplete, found
 
 
 def load_run(directory: Path) -> RunTables:

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from rlsweep.discovery import refuse_run_over_sweep
 from rlsweep.exitcodes import ExitCode
-from rlsweep.gate import refuse_run_over_sweep
 from rlsweep.locks import locked
 from rlsweep.manifest import RunIdentity, identify, invalidate, verify_run, write_manifest
 from rlsweep.run import RunOutcome, execute

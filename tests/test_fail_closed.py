@@ -19,8 +19,8 @@ import pytest
 from rlsweep_fixtures import multirun, run_rlsweep, table_file, tables_left, with_fault
 
 from rlsweep.check import main as check_main
+from rlsweep.discovery import JOBS_FILE, MULTIRUN_FILE, write_job_list
 from rlsweep.exitcodes import ExitCode, combine
-from rlsweep.gate import JOBS_FILE, MULTIRUN_FILE, write_job_list
 from rlsweep.locks import locked
 from rlsweep.manifest import HYDRA_CONFIG, MANIFEST_FILE
 from rlsweep.report import main as report_main
