@@ -43,6 +43,7 @@ from kernels.distributed import RankGroup, distributed_ranks
 from kernels.errors import (
     BackendUnavailableError,
     DtypeMismatchError,
+    InputChangedError,
     KernelInputError,
     NonFiniteInputError,
     NonFiniteOutputError,
@@ -81,6 +82,7 @@ __all__ = [
     "DtypeMismatchError",
     "GradientBound",
     "ImplementationKind",
+    "InputChangedError",
     "KernelInputError",
     "KernelLaunch",
     "LogprobBackend",

@@ -38,6 +38,7 @@ from kernels.ranks import LogprobResult, RankOutput, finish, rank_forward
 from kernels.sharding import ShardingSpec
 from kernels.validation import version_stamp
 
+DEVICE_TYPES = ("cpu", "cuda")  # where rank processes compute: gloo on the CPU, NCCL on one GPU per rank
 POLL_SECONDS = 1.0  # how often the caller checks that every rank process is still alive
 STOP = "stop"
 FORWARD, BACKWARD = "forward", "backward"  # the two requests a rank serves
@@ -51,6 +52,8 @@ class RankGroup:
             raise TPConfigError(
                 f"sharding must be a ShardingSpec (e.g. ShardingSpec.even(vocab, vocab_tile, tp)), got {sharding!r}"
             )
+        if device_type not in DEVICE_TYPES:
+            raise TPConfigError(f"device_type must be one of {DEVICE_TYPES}, got {device_type!r}")
         tp = sharding.world_size
         if device_type == "cuda" and torch.cuda.device_count() < tp:
             raise TPConfigError(

@@ -28,6 +28,11 @@ class NonFiniteInputError(KernelInputError):
     """NaN or Inf in hidden states or weights."""
 
 
+class InputChangedError(KernelInputError):
+    """An input changed between the call that queued its check and the read of that check (``checks=``): the
+    call's outputs were computed from values no longer there, and are not to be used."""
+
+
 class TPConfigError(KernelInputError):
     """A tensor-parallel request or vocab tile the geometry or the machine cannot serve."""
 

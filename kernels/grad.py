@@ -69,6 +69,12 @@ class TiledLogprobBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g_logp: torch.Tensor | None, g_lse: torch.Tensor | None):
+        if torch.is_grad_enabled():  # create_graph=True: the gradients would carry no graph, so a second one is lost
+            raise RuntimeError(
+                "lm_head_logprob's tiled backward computes no graph of its own, so it cannot be differentiated "
+                "again (create_graph=True): a second derivative through it would be silently zero; use "
+                "backend='aten' or 'reference', whose torch ops autograd differentiates twice"
+            )
         hidden, weight, targets, lse = ctx.saved_tensors
         d_hidden, d_weight = ctx.gradients(hidden.detach(), weight.detach(), targets, lse, g_logp, g_lse)
         return (

@@ -39,6 +39,7 @@ from kernels.validation import (
     check_matmul_shapes,
     check_matmul_values,
     check_target_range,
+    resolved,
 )
 
 DEFAULT_VOCAB_TILE = 1024
@@ -54,6 +55,7 @@ def matmul(
     impl = get_backend(backend)
     with call_checks(checks) as pending:
         check_matmul_shapes(hidden, weight)
+        hidden, weight = resolved(hidden), resolved(weight)
         check_matmul_values(hidden, weight, pending)
         if checks is None:  # every check is of an input: its verdict reaches the host while the kernel runs
             pending.send()
@@ -73,6 +75,7 @@ def logprob(
     in_kernel = getattr(impl, "checks_finite_logits", False)  # the kernel poisons its result instead of a scan
     with call_checks(checks) as pending:
         check_logits_inputs(logits, targets, pending, values=not in_kernel)
+        logits, targets = resolved(logits), resolved(targets)
         vocab = logits.shape[1]
         sharding = ShardingSpec.even(vocab, vocab_tile, 1)
         check_vocab_geometry(impl, sharding, logits.device)
@@ -145,6 +148,7 @@ def sharded_lm_head_logprob(
         raise KernelInputError(f"sharding must be a ShardingSpec, got {sharding!r}")
     with call_checks(checks) as pending:
         check_lm_head_inputs(hidden, weight, targets, pending)
+        hidden, weight, targets = resolved(hidden), resolved(weight), resolved(targets)
         if weight.shape[0] != sharding.vocab_size:
             raise ShapeMismatchError(
                 f"weight has {weight.shape[0]} vocab rows but the sharding splits a vocab of {sharding.vocab_size}"

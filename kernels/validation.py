@@ -16,6 +16,8 @@ import torch
 
 from kernels.errors import (
     DtypeMismatchError,
+    InputChangedError,
+    KernelInputError,
     NonFiniteInputError,
     ShapeMismatchError,
     TargetOutOfRangeError,
@@ -139,8 +141,26 @@ def check_matmul_values(hidden: torch.Tensor, weight: torch.Tensor, checks: Valu
     check_finite_once("weight", weight)
 
 
+def check_tensor(name: str, value: object) -> None:
+    """A dense tensor with its values in memory: the kernels read memory, so no list, sparse or meta tensor."""
+    if not isinstance(value, torch.Tensor):
+        raise KernelInputError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.layout != torch.strided or value.is_meta:
+        where = "on the meta device" if value.is_meta else f"of layout {value.layout}"
+        raise KernelInputError(f"{name} is a tensor {where}; the kernels take dense (strided) tensors with values")
+
+
+def resolved(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with the values it reads as: a view PyTorch marks negated or conjugated (``x.conj().imag``) keeps
+    the other values in memory, which is what the kernels read, so it is materialized; any other tensor is
+    returned as it is. Differentiable."""
+    return tensor.resolve_neg().resolve_conj()
+
+
 def check_matmul_shapes(hidden: torch.Tensor, weight: torch.Tensor) -> None:
     """Shapes, dtypes and device of hidden[T, H] and weight[V, H]: everything but their values."""
+    check_tensor("hidden", hidden)
+    check_tensor("weight", weight)
     if hidden.dim() != 2:
         raise ShapeMismatchError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
     if weight.dim() != 2:
@@ -170,6 +190,7 @@ def check_lm_head_inputs(
 def check_logits_inputs(logits: torch.Tensor, targets: torch.Tensor, checks: ValueChecks, *, values: bool) -> None:
     """logits[T, V] with targets[T] on the same device; ``values``: also queue a scan of the logits for NaN and
     ±Inf (a backend whose kernel detects them itself skips this second pass over T*V values)."""
+    check_tensor("logits", logits)
     if logits.dim() != 2:
         raise ShapeMismatchError(f"logits must be [T, V], got shape {tuple(logits.shape)}")
     if logits.dtype not in (*EXECUTION_DTYPES, torch.float64):
@@ -182,6 +203,7 @@ def check_logits_inputs(logits: torch.Tensor, targets: torch.Tensor, checks: Val
 
 
 def check_targets(targets: torch.Tensor, *, rows: int) -> None:
+    check_tensor("targets", targets)
     if targets.dim() != 1 or targets.shape[0] != rows:
         raise ShapeMismatchError(f"targets must be [T] with T={rows}, got shape {tuple(targets.shape)}")
     if targets.dtype not in (torch.int64, torch.int32):
@@ -206,6 +228,8 @@ def out_of_range(targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def explain_target_range(targets: torch.Tensor, bad: torch.Tensor, vocab_size: int) -> None:
     position = int(bad.nonzero()[0, 0])
     value = int(targets[position])
+    if not bool(out_of_range(targets[position : position + 1], vocab_size)[0]):
+        raise InputChangedError(changed_since_checked("targets", f"target {value} at row {position}"))
     raise TargetOutOfRangeError(
         f"target id {value} at row {position} is outside [0, {vocab_size}) and is not ignore_index={IGNORE_INDEX}",
         position=position,
@@ -236,6 +260,17 @@ def explain_nonfinite(name: str, tensor: torch.Tensor) -> None:
     if not bool(finite.all()):
         index = tuple(int(i) for i in (~finite).nonzero()[0])
         raise NonFiniteInputError(f"{name} holds a non-finite value {tensor[index].item()} at index {index}")
+    # Finite values whose sum overflows fail the screen again; a screen that passes now saw other values.
+    if math.isfinite(screen_sum(tensor).item()):
+        raise InputChangedError(changed_since_checked(name, "every value is finite now"))
+
+
+def changed_since_checked(name: str, now: str) -> str:
+    return (
+        f"{name} changed after the call that queued its check: the check found a bad value, but {now}; the call's "
+        "outputs were computed from the old values and are not to be used (do not write to a call's inputs before "
+        "its checks are read)"
+    )
 
 
 def version_stamp(tensor: torch.Tensor) -> tuple | None:

@@ -47,7 +47,8 @@ def cpu_name() -> str:
 
 
 def device_info(device: str) -> dict[str, Any]:
-    """The device a run computed on: the GPU's name, capability and count, or the CPU's name and torch's threads."""
+    """The device a run computed on: the GPU's name, capability and count, or the CPU's name, ATen's CPU capability
+    and torch's threads."""
     if device == "cuda" and torch.cuda.is_available():
         try:
             return {
@@ -60,7 +61,9 @@ def device_info(device: str) -> dict[str, Any]:
             return {"name": f"none: CUDA cannot be queried ({' '.join(str(err).split())})", "capability": None}
     if device == "cuda":  # the run stopped on provenance: say so rather than name the CPU as its device
         return {"name": f"none: torch.cuda.is_available() is False on {cpu_name()}", "capability": None}
-    return {"name": cpu_name(), "capability": None, "threads": torch.get_num_threads()}
+    # ATen's CPU kernels are chosen by capability (AVX2, AVX512; ATEN_CPU_CAPABILITY sets it), and give other bits.
+    capability = torch.backends.cpu.get_cpu_capability()
+    return {"name": cpu_name(), "capability": capability, "threads": torch.get_num_threads()}
 
 
 def available_memory(device: str) -> tuple[int, str] | None:
@@ -92,7 +95,8 @@ def available_memory(device: str) -> tuple[int, str] | None:
 
 def computing_environment(device: str) -> dict[str, Any]:
     """What besides the config, its input files and the code can change a run's numbers: the device (GPU name,
-    capability and CUDA version, or the CPU and torch's thread count) and the versions of torch, triton and Python.
+    capability and CUDA version, or the CPU, ATen's CPU capability and torch's thread count) and the versions of
+    torch, triton and Python.
     A run's resume hash covers it (``rlsweep.manifest.identify``)."""
     try:  # the installed version, without importing triton (importing it fixes its interpreter mode)
         triton_version = importlib.metadata.version("triton")

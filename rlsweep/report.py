@@ -108,7 +108,8 @@ def recorded_environment(run: RunTables) -> dict[str, Any]:
 
 
 def describe_device(device: str, recorded: dict[str, Any]) -> str:
-    """'cuda: NVIDIA H200; capability 9.0; 8 GPUs; CUDA 12.8' or 'cpu: AMD EPYC (x86_64); 2 threads'."""
+    """'cuda: NVIDIA H200; capability 9.0; 8 GPUs; CUDA 12.8', or 'cpu: AMD EPYC (x86_64); capability AVX512;
+    2 threads'."""
     info = recorded.get("device")
     if not isinstance(info, dict) or not info.get("name"):
         return f"{device}: name {NOT_RECORDED}"

@@ -283,3 +283,73 @@ def test_an_overflow_is_not_blamed_while_an_input_holds_a_non_finite_value(backe
     weight.data[7, 0] = float("-inf")
     with pytest.raises(kernels.NonFiniteInputError, match=r"weight holds a non-finite value -inf at index \(7, 0\)"):
         kernels.lm_head_logprob(hidden, weight, targets, backend=backend, vocab_tile=16)
+
+
+@pytest.mark.parametrize("backend", ["aten", "triton", "triton_fused"])
+def test_inputs_viewed_as_negated_give_the_values_they_read_as(backend):
+    """``x.conj().imag`` is a view PyTorch marks negated, over memory holding the other sign; kernels read memory."""
+    if backend.startswith("triton") and not triton_runs_on("cpu"):
+        pytest.skip("triton needs CUDA or TRITON_INTERPRET=1")
+    hidden, weight, targets = good_inputs(vocab=300)
+    negated = torch.complex(torch.zeros_like(hidden), -hidden).conj().imag  # reads as hidden
+    assert negated.is_neg() and torch.equal(negated, hidden)
+    want = kernels.lm_head_logprob(hidden, weight, targets, backend=backend, vocab_tile=64)
+    got = kernels.lm_head_logprob(negated, weight, targets, backend=backend, vocab_tile=64)
+    assert kernels.first_bit_difference(want.logp, got.logp) is None
+    logits, _ = kernels.matmul(negated, weight, backend=backend)
+    assert kernels.first_bit_difference(kernels.matmul(hidden, weight, backend=backend)[0], logits) is None
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda h, w, t: (h, w, t.tolist()), r"targets must be a torch.Tensor, got list"),
+        (lambda h, w, t: (h.to_sparse(), w, t), r"hidden is a tensor of layout torch.sparse_coo"),
+        (lambda h, w, t: (h, w.to("meta"), t), r"weight is a tensor on the meta device"),
+    ],
+    ids=["list", "sparse", "meta"],
+)
+@pytest.mark.parametrize("backend", ["aten", "triton"])
+def test_inputs_that_are_not_dense_tensors_are_refused_by_name(backend, mutate, match):
+    with pytest.raises(kernels.KernelInputError, match=match):
+        kernels.lm_head_logprob(*mutate(*good_inputs()), backend=backend, vocab_tile=16)
+
+
+@pytest.mark.parametrize("backend", ["triton", "triton_fused"])
+def test_a_second_derivative_through_the_tiled_backward_raises(backend):
+    """The tiled backward carries no graph: differentiating it again would drop the term silently."""
+    if not triton_runs_on("cpu"):
+        pytest.skip("triton needs CUDA or TRITON_INTERPRET=1")
+    hidden, weight, targets = good_inputs(vocab=300)
+    hidden.requires_grad_()
+    result = kernels.lm_head_logprob(hidden, weight, targets, backend=backend, vocab_tile=64)
+    with pytest.raises(RuntimeError, match=r"cannot be differentiated again \(create_graph=True\)"):
+        torch.autograd.grad(result.logp.sum(), hidden, create_graph=True)
+    (d_hidden,) = torch.autograd.grad(result.logp.sum(), hidden)  # a first derivative is served
+    assert d_hidden.shape == hidden.shape
+
+
+@pytest.mark.parametrize("backend", ["aten", "triton"])
+def test_an_input_changed_before_its_deferred_check_is_read_raises(backend):
+    """A check read after the call (``checks=``) found a bad value that is no longer there: the outputs were
+    computed from it, so reading the checks raises rather than finding the inputs fine."""
+    hidden, weight, targets = good_inputs(vocab=300)
+    checks = kernels.ValueChecks()
+    bad_hidden = hidden.clone()
+    bad_hidden[1, 2] = float("nan")
+    kernels.matmul(bad_hidden, weight, backend=backend, checks=checks)
+    bad_hidden[1, 2] = 0.0
+    with pytest.raises(kernels.InputChangedError, match=r"hidden changed after the call that queued its check"):
+        checks.raise_first()
+    bad_targets = targets.clone()
+    bad_targets[3] = 300
+    kernels.lm_head_logprob(hidden, weight, bad_targets, backend=backend, vocab_tile=64, checks=checks)
+    bad_targets[3] = 1
+    with pytest.raises(kernels.InputChangedError, match=r"targets changed after .* target 1 at row 3"):
+        checks.raise_first()
+
+
+def test_rank_groups_compute_on_the_cpu_or_cuda_only():
+    with pytest.raises(kernels.TPConfigError, match=r"device_type must be one of \('cpu', 'cuda'\), got 'tpu'"):
+        with kernels.distributed_ranks("aten", kernels.ShardingSpec.even(100, 16, 2), "tpu"):
+            pass

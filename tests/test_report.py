@@ -144,7 +144,9 @@ def test_the_environment_table_names_what_every_run_recorded(small_sweep, report
 
 def test_the_device_names_what_ran_and_a_missing_gpu_as_missing(monkeypatch):
     cpu = {"device": environment.device_info("cpu")}
-    assert describe_device("cpu", cpu) == f"cpu: {environment.cpu_name()}; {torch.get_num_threads()} threads"
+    capability = torch.backends.cpu.get_cpu_capability()
+    want = f"cpu: {environment.cpu_name()}; capability {capability}; {torch.get_num_threads()} threads"
+    assert describe_device("cpu", cpu) == want
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cuda = describe_device("cuda", {"device": environment.device_info("cuda")})
     assert cuda == f"cuda: none: torch.cuda.is_available() is False on {environment.cpu_name()}"

@@ -143,8 +143,9 @@ def other_thread_count(patch: pytest.MonkeyPatch) -> None:
         lambda patch: patch.setattr(importlib.metadata, "version", lambda name: "0.0.0"),  # triton's, read installed
         other_thread_count,
         lambda patch: patch.setattr(environment, "cpu_name", lambda: "another CPU"),
+        lambda patch: patch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "ANOTHER"),  # ATen's kernels
     ],
-    ids=["torch", "triton", "CPU threads", "CPU"],
+    ids=["torch", "triton", "CPU threads", "CPU", "ATen CPU capability"],
 )
 def test_resume_content_covers_the_environment_that_computes(monkeypatch, change):
     config = run_spec(compose_run("layout=smoke")).config
