@@ -114,6 +114,9 @@ class RlsweepCallback(Callback):
             refuse_run_over_sweep(Path(config.hydra.run.dir), "hydra.run.dir")
             if config.get("tables_dir") is not None:
                 refuse_run_over_sweep(Path(config.tables_dir), "tables_dir")
+            # Held until this process ends, from before Hydra writes its record of the run: a second writer stops
+            # here, leaving the record of the run that holds the dir as it was.
+            acquire(Path(config.hydra.run.dir))
 
         fatal(start)
 

@@ -359,6 +359,18 @@ def test_a_second_writer_fails_at_once_naming_the_holder(tmp_path):
     assert tables_left(tmp_path) == []
 
 
+def test_a_refused_writer_leaves_the_record_of_the_run_that_holds_the_dir(tmp_path):
+    first = run_rlsweep(tmp_path, "layout=smoke")
+    assert first.returncode == 0, first.stdout + first.stderr
+    record = (tmp_path / HYDRA_CONFIG).read_bytes()
+    with locked(tmp_path):  # as the first run would hold it while it runs
+        second = run_rlsweep(tmp_path, "layout=smoke", "seed=1")
+    assert_not_green(second, ExitCode.ERROR)
+    assert "is in use by another rlsweep writer (pid" in second.stderr
+    assert (tmp_path / HYDRA_CONFIG).read_bytes() == record
+    assert check_main([str(tmp_path)]) == ExitCode.GREEN
+
+
 def test_a_control_whose_declarations_match_nothing_is_red(tmp_path):
     # With only the canonical cell there is no forward_invariance row for the control's declaration to match.
     done = multirun(tmp_path, "profile=negative_control_cpu", "layout=smoke", "layout.cells=[BN/packed]",
