@@ -170,7 +170,22 @@ def active_selection(tokens: pd.DataFrame, selector: Selector, side: str) -> pd.
 
 
 def bits_equal(lhs: pd.Series, rhs: pd.Series) -> pd.Series:
-    """Elementwise bit equality through kernels.bit_pattern (NaN-safe; -0.0 differs from 0.0)."""
+    """Elementwise bit equality through kernels.bit_pattern (NaN-safe; -0.0 differs from 0.0).
+
+    Both Series must have one length, one index (same labels, same order) and one dtype: bits of different
+    dtypes never compare equal, and pairing by position across different indexes would compare other tokens.
+    """
+    if len(lhs) != len(rhs):
+        raise SelectionError(f"bits_equal: lhs has {len(lhs)} values, rhs {len(rhs)}; compare Series of one length")
+    if not lhs.index.equals(rhs.index):
+        raise SelectionError(
+            f"bits_equal: lhs and rhs have different index labels or order (lhs starts {list(lhs.index[:3])}, rhs "
+            f"{list(rhs.index[:3])}); align them first, e.g. rhs.reindex(lhs.index)"
+        )
+    if lhs.dtype != rhs.dtype:
+        raise SelectionError(
+            f"bits_equal: lhs is {lhs.dtype}, rhs {rhs.dtype}; cast one to the other's dtype (their bits differ)"
+        )
     left = kernels.bit_pattern(torch.from_numpy(lhs.to_numpy(copy=True)))
     right = kernels.bit_pattern(torch.from_numpy(rhs.to_numpy(copy=True)))
     return pd.Series((left == right).numpy(), index=lhs.index)

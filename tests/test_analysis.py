@@ -161,3 +161,17 @@ def test_one_run_dir_loads_alone(small_sweep, tokens):
     one = analysis.load_tokens(run_dir)
     assert set(one[analysis.RUN_DIR]) == {str(run_dir)}
     assert len(one) == len(pd.read_parquet(table_file(run_dir, TOKENS_TABLE)))
+
+
+def floats(values, dtype="float32", index=None) -> pd.Series:
+    return pd.Series(values, dtype=dtype, index=index)
+
+
+def test_bits_equal_compares_series_of_one_length_index_and_dtype():
+    assert analysis.bits_equal(floats([1.0, -0.0]), floats([1.0, 0.0])).tolist() == [True, False]
+    with pytest.raises(SelectionError, match="lhs has 2 values, rhs 1"):
+        analysis.bits_equal(floats([1.0, 2.0]), floats([1.0]))
+    with pytest.raises(SelectionError, match="different index labels or order"):
+        analysis.bits_equal(floats([1.0, 2.0], index=[0, 1]), floats([2.0, 1.0], index=[1, 0]))
+    with pytest.raises(SelectionError, match="lhs is float32, rhs float64"):
+        analysis.bits_equal(floats([1.0]), floats([1.0], dtype="float64"))
