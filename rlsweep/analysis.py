@@ -29,7 +29,7 @@ from rlsweep.errors import SelectionError, TablesNotFoundError
 from rlsweep.gate import COMPARABLE_COLUMNS, SWEEP_CHECKS_TABLE, baseline_order, count_verdicts
 from rlsweep.manifest import MANIFEST_FILE, verify_run
 from rlsweep.spec import CANONICAL_CELL
-from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, TOKENS_SCHEMA, TOKENS_TABLE, read_table
+from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, TOKENS_SCHEMA, TOKENS_TABLE, TableError, read_table
 from rlsweep.verdicts import FORWARD_TENSORS, Judgment
 
 RUN_DIR = "run_dir"  # added column: the directory the row's run tables were read from
@@ -119,7 +119,14 @@ def checks_frame(
             if directory.is_relative_to(sweep_dir)
             for run_id in run["run_id"].unique()
         }
-        run_dir = table["run_id"].astype(str).map(owners).fillna(str(sweep_dir))
+        run_dir = table["run_id"].astype(str).map(owners)
+        if run_dir.isna().any():  # an earlier sweep's verdicts, of runs this sweep no longer holds complete
+            strangers = sorted(table.loc[run_dir.isna(), "run_id"].astype(str).unique())
+            raise TableError(
+                f"{str(sweep_dir / SWEEP_CHECKS_TABLE)!r} holds verdicts of {len(strangers)} run ids "
+                f"({', '.join(strangers[:4])}) that no complete run under {str(sweep_dir)!r} has: the table is stale; "
+                f"python -m rlsweep.check {sweep_dir} writes this sweep's"
+            )
         parts.append(table.assign(**{LEVEL: SWEEP_LEVEL, RUN_DIR: run_dir}))
     parts = [part for part in parts if len(part)]  # concat of empty frames would blur the dtypes
     frame = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=[*CHECKS_SCHEMA.names])

@@ -24,6 +24,7 @@ from rlsweep.config import job_list, run_spec, sweep_record
 from rlsweep.discovery import refuse_run_over_sweep, refuse_sweep_over_run, write_job_list
 from rlsweep.errors import ConfigError
 from rlsweep.exitcodes import ExitCode, one_line
+from rlsweep.gate import remove_sweep_outputs
 from rlsweep.locks import acquire
 from rlsweep.manifest import MANIFEST_FILE, verify_run
 from rlsweep.run import preflight
@@ -129,6 +130,7 @@ class RlsweepCallback(Callback):
             jobs = job_list(record, "this sweep")
             preflight_jobs(config, jobs)
             acquire(sweep_dir)  # held until this process ends, gate included
+            remove_sweep_outputs(sweep_dir)  # before any job: a sweep killed before its gate leaves no verdict
             write_job_list(sweep_dir, record, jobs)
             SESSION.sweep_dir = sweep_dir
 

@@ -23,7 +23,7 @@ import torch
 import kernels
 from rlsweep.contract import Contract, contract_from_mapping, op_class
 from rlsweep.discovery import discover
-from rlsweep.errors import TablesNotFoundError
+from rlsweep.errors import OutputDirError, TablesNotFoundError
 from rlsweep.exitcodes import ExitCode, combine
 from rlsweep.judgments import apply_expected, compare_tokens, declaration_verdict
 from rlsweep.manifest import MANIFEST_FILE, verify_run
@@ -305,6 +305,17 @@ def write_sweep_outputs(root: Path, result: GateResult) -> None:
     """sweep_checks.parquet (same schema as checks.parquet) and summary.md, both written atomically."""
     table = pa.Table.from_pandas(result.sweep_checks, schema=CHECKS_SCHEMA, preserve_index=False)
     write_tables(root, {SWEEP_CHECKS_TABLE: table}, files={SUMMARY_FILE: summary_markdown(result)})
+
+
+def remove_sweep_outputs(root: Path) -> None:
+    """A sweep's first step once it holds its dir: the last gate's outputs go: no earlier verdict reads as its own."""
+    for path in (root / SWEEP_CHECKS_TABLE, root / SUMMARY_FILE):
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as err:
+            raise OutputDirError(
+                f"{str(path)!r} (an earlier gate's output) cannot be removed before this sweep: {err.strerror or err}"
+            ) from err
 
 
 def reported_only(checks: pd.DataFrame) -> pd.Series:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from rlsweep_fixtures import table_file
 
@@ -12,7 +15,7 @@ from rlsweep import analysis
 from rlsweep.errors import SelectionError, TablesNotFoundError
 from rlsweep.gate import SWEEP_CHECKS_TABLE, VERDICT_COUNTS
 from rlsweep.layouts import CANONICAL_CELL
-from rlsweep.tables import CHECKS_TABLE, PARTITION_KEY, RUN_COLUMNS, TOKENS_TABLE
+from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, PARTITION_KEY, RUN_COLUMNS, TOKENS_TABLE, TableError
 
 # One worker builds the shared small_sweep (conftest) once and runs every test that reads it.
 pytestmark = pytest.mark.xdist_group("small_sweep")
@@ -175,3 +178,16 @@ def test_bits_equal_compares_series_of_one_length_index_and_dtype():
         analysis.bits_equal(floats([1.0, 2.0], index=[0, 1]), floats([2.0, 1.0], index=[1, 0]))
     with pytest.raises(SelectionError, match="lhs is float32, rhs float64"):
         analysis.bits_equal(floats([1.0]), floats([1.0], dtype="float64"))
+
+
+def test_sweep_rows_of_runs_not_loaded_are_refused(small_sweep, tmp_path):
+    # A sweep_checks.parquet left by an earlier sweep names runs that are no longer this sweep's.
+    sweep_dir = tmp_path / "sweep"
+    shutil.copytree(small_sweep, sweep_dir)
+    stale = pd.read_parquet(sweep_dir / SWEEP_CHECKS_TABLE)
+    stale.loc[0, "run_id"] = "0123456789abcdef"
+    pq.write_table(
+        pa.Table.from_pandas(stale, schema=CHECKS_SCHEMA, preserve_index=False), sweep_dir / SWEEP_CHECKS_TABLE
+    )
+    with pytest.raises(TableError, match=rf"{SWEEP_CHECKS_TABLE}.*0123456789abcdef"):
+        analysis.load_checks(sweep_dir)

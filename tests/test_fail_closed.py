@@ -21,6 +21,7 @@ from rlsweep_fixtures import multirun, run_rlsweep, table_file, tables_left, wit
 from rlsweep.check import main as check_main
 from rlsweep.discovery import JOBS_FILE, MULTIRUN_FILE, write_job_list
 from rlsweep.exitcodes import ExitCode, combine
+from rlsweep.gate import SUMMARY_FILE, SWEEP_CHECKS_TABLE
 from rlsweep.locks import locked
 from rlsweep.manifest import HYDRA_CONFIG, MANIFEST_FILE
 from rlsweep.report import main as report_main
@@ -247,6 +248,18 @@ def test_a_gate_that_cannot_write_its_tables_ends_with_exit_1(tmp_path):
     done = multirun(tmp_path, "profile=negative_control_cpu", "layout=smoke", "tp=1,2")
     assert_not_green(done, ExitCode.ERROR)
     assert "sweep_checks.parquet" in done.stderr
+
+
+def test_a_sweep_removes_the_last_gate_outputs_before_its_jobs_run(tmp_path):
+    # An earlier sweep's verdict and summary, then a sweep into the same dir killed before its gate writes.
+    (tmp_path / SWEEP_CHECKS_TABLE).write_bytes(b"an earlier sweep's verdicts")
+    (tmp_path / SUMMARY_FILE).write_text("sweep gate: 2 runs -> GREEN\n")
+    fault = "import os, rlsweep.check\nrlsweep.check.run_gate = lambda root: os._exit(137)"
+    done = with_fault(fault, "rlsweep", f"hydra.sweep.dir={tmp_path}", "profile=cpu_bf16", "layout=smoke",
+                      "model=tiny", "tp=1", "--multirun")  # fmt: skip
+    assert done.returncode == 137, done.stdout + done.stderr
+    assert (tmp_path / "0" / MANIFEST_FILE).is_file()  # its job ran
+    assert not (tmp_path / SWEEP_CHECKS_TABLE).exists() and not (tmp_path / SUMMARY_FILE).exists()
 
 
 def test_a_job_killed_between_its_tables_leaves_an_incomplete_run_that_resume_redoes(tmp_path, capsys):
