@@ -7,7 +7,6 @@ process through SystemExit(1) with one line. Progress lines are information only
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from rlsweep.gate import remove_sweep_outputs
 from rlsweep.locks import acquire
 from rlsweep.manifest import MANIFEST_FILE, verify_run
 from rlsweep.run import preflight
-from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, read_table
+from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, read_table, unwritable_reason
 from rlsweep.verdicts import as_expected
 
 CALLBACK_TARGET = "rlsweep.callbacks.RlsweepCallback"
@@ -43,18 +42,6 @@ class Session:
 
 
 SESSION = Session()
-
-
-def unwritable_reason(directory: Path) -> str | None:
-    """Why ``directory`` cannot be created or written, or None; nothing is created on disk."""
-    ancestor = directory.absolute()
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        return f"{str(ancestor)!r} is a file, not a directory"
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        return f"{str(ancestor)!r} is not writable"
-    return None
 
 
 def check_output_dir(directory: str, key: str) -> None:

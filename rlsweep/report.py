@@ -21,13 +21,21 @@ import pandas as pd
 
 from rlsweep import analysis, plots
 from rlsweep.check import console_summary
-from rlsweep.errors import TablesNotFoundError
+from rlsweep.errors import OutputDirError, TablesNotFoundError
 from rlsweep.exitcodes import ExitCode, guarded
 from rlsweep.gate import GateResult, RunTables, reported_only, run_gate
 from rlsweep.locks import locked
 from rlsweep.manifest import verify_run
 from rlsweep.spec import CANONICAL_CELL
-from rlsweep.tables import CHECKS_TABLE, read_metadata, write_tables
+from rlsweep.tables import (
+    CHECKS_TABLE,
+    PARTITION_KEY,
+    RUN_TABLES,
+    read_metadata,
+    table_folder,
+    unwritable_reason,
+    write_tables,
+)
 from rlsweep.verdicts import REPORTED_ONLY, Judgment, as_expected
 
 PROG = "python -m rlsweep.report"
@@ -355,16 +363,36 @@ def write_report(root: Path, out: Path, result: GateResult) -> list[Path]:
     return [out / name for name in [*images, *text]]
 
 
+def report_dir(out: str | None, directory: Path) -> Path:
+    """Where the report goes: DIRECTORY, or ``--out`` unless it is empty, not a writable directory, or inside one
+    of DIRECTORY's tables folders (its files there would be read as rows of the table and fail the gate)."""
+    if out is None:
+        return directory
+    if not out.strip():
+        raise OutputDirError(f"--out {out!r} is empty: name the directory to write the report into (default: DIR)")
+    reason = unwritable_reason(Path(out))
+    if reason:
+        raise OutputDirError(f"--out {out!r} cannot hold the report: {reason}")
+    folder = table_folder(Path(out), directory)
+    if folder is not None:
+        raise OutputDirError(
+            f"--out {out!r} is inside {str(folder)!r}, a tables folder of {str(directory)!r}: a dataset reader would "
+            "take the report's files for table rows and the gate would find the sweep incomplete; choose a directory "
+            f"outside its {', '.join(f'{table}/' for table in RUN_TABLES)} and {PARTITION_KEY}=<n> folders"
+        )
+    return Path(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     def command() -> ExitCode:
         parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
         parser.add_argument("directory", type=Path, help="a run dir, a sweep dir or a whole outputs/ tree")
-        parser.add_argument("--out", type=Path, default=None, help="where to write the report (default: DIRECTORY)")
+        parser.add_argument("--out", default=None, help="where to write the report (default: DIRECTORY)")
         args = parser.parse_args(argv)
+        out = report_dir(args.out, args.directory)
         result = run_gate(args.directory)
         if not result.runs:
             raise TablesNotFoundError(f"no complete run under {str(args.directory)!r}: {'; '.join(result.incomplete)}")
-        out = args.out or args.directory
         with locked(out):
             written = write_report(args.directory, out, result)
         print(console_summary(result))

@@ -137,6 +137,18 @@ def with_metadata(table: pa.Table, metadata: Mapping[str, Any]) -> pa.Table:
     return table.replace_schema_metadata({METADATA_KEY: json.dumps(document, sort_keys=True, default=str).encode()})
 
 
+def unwritable_reason(directory: Path) -> str | None:
+    """Why ``directory`` cannot be created or written, or None; nothing is created on disk."""
+    ancestor = directory.absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"{str(ancestor)!r} is a file, not a directory"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"{str(ancestor)!r} is not writable"
+    return None
+
+
 def check_writable(directory: Path) -> None:
     """Fail before any work if the tables cannot go to ``directory``."""
     try:
@@ -209,6 +221,20 @@ def dataset_entries(root: Path) -> list[Path]:
 def is_partition(entry: Path) -> bool:
     """A sweep job's partition folder: ``job=<n>``, a real folder."""
     return PARTITION_NAME.fullmatch(entry.name) is not None and entry.is_dir() and not entry.is_symlink()
+
+
+def table_folder(path: Path, root: Path) -> Path | None:
+    """The tables folder under ``root`` that holds ``path`` (a ``tokens/`` or ``checks/`` folder, a ``job=<n>``
+    partition), or None: a file put there is read by a dataset reader as part of the table."""
+    root = root.resolve()
+    try:
+        parts = path.resolve().relative_to(root).parts
+    except ValueError:
+        return None
+    for depth, part in enumerate(parts):
+        if part in RUN_TABLES or PARTITION_NAME.fullmatch(part):
+            return root.joinpath(*parts[: depth + 1])
+    return None
 
 
 def hidden_sibling(path: Path, tag: str) -> Path:

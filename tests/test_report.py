@@ -115,6 +115,27 @@ def test_a_directory_without_tables_is_a_usage_error(tmp_path, capsys, make):
     assert not (tmp_path / REPORT_HTML).exists()
 
 
+@pytest.mark.parametrize("inside", ["tokens", "checks/job=1", "tokens/job=0/deeper"])
+def test_an_out_inside_a_tables_folder_is_refused(small_sweep, capsys, inside):
+    out = small_sweep / inside
+    before = sorted(str(p.relative_to(small_sweep)) for p in small_sweep.rglob("*"))
+    assert main([str(small_sweep), "--out", str(out)]) == ExitCode.ERROR
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and str(out) in err and "tables folder" in err, err
+    assert sorted(str(p.relative_to(small_sweep)) for p in small_sweep.rglob("*")) == before
+
+
+def test_an_empty_out_or_an_out_that_is_a_file_is_refused(small_sweep, tmp_path, capsys):
+    assert main([str(small_sweep), "--out", ""]) == ExitCode.ERROR
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--out ''" in err and "empty" in err, err
+    file = tmp_path / "report.txt"
+    file.write_text("not a directory")
+    assert main([str(small_sweep), "--out", str(file)]) == ExitCode.ERROR
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"{str(file)!r} is a file" in err and "Errno" not in err, err
+
+
 def markdown_section(markdown: str, title: str) -> str:
     return markdown.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
 
