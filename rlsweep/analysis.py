@@ -45,6 +45,8 @@ DIFF_COLUMNS = (RUN_DIR, "profile", "model", "workload", "tp", "tp_mode", "cell"
 LEADING_CATEGORIES = {"judgment": tuple(Judgment), LEVEL: (RUN_LEVEL, SWEEP_LEVEL)}
 
 Selector = Mapping[str, Any]
+# What a load_tokens frame has beyond the table's own columns, and the ones the comparisons read.
+TOKEN_COLUMNS = (RUN_DIR, *RUN_GROUP, "tp", "tp_mode", "cell", *KEY, "target_id", "active")
 
 
 def pandas_dtype(field: pa.Field) -> str:
@@ -154,11 +156,28 @@ def load_checks(path: str | os.PathLike[str]) -> pd.DataFrame:
 
 def summary(checks: pd.DataFrame, by: Sequence[str] = SUMMARY_GROUPS) -> pd.DataFrame:
     """Counts of passed, failed and unexpected (passed != expected_pass) verdicts per ``by`` group."""
+    if isinstance(by, str) or not isinstance(by, Sequence) or not all(isinstance(column, str) for column in by):
+        raise SelectionError(f"by must be a list of column names, e.g. ['profile', 'tp']; got {by!r}")
+    require_frame(checks, [*by, "passed", "expected_pass"], "a load_checks frame")
     return count_verdicts(checks, by)
+
+
+def require_frame(frame: Any, columns: Sequence[str], what: str) -> None:
+    """``frame`` must be a DataFrame with ``columns``, as ``what`` (the function that makes it) returns one."""
+    if not isinstance(frame, pd.DataFrame):
+        raise SelectionError(f"expected {what}, got {type(frame).__name__}")
+    missing = [column for column in columns if column not in frame.columns]
+    if missing:
+        raise SelectionError(f"expected {what}: it has no column {', '.join(map(repr, missing))}")
 
 
 def select(tokens: pd.DataFrame, selector: Selector) -> pd.DataFrame:
     """Rows whose columns equal the selector's values (a list value: any of them)."""
+    if not isinstance(selector, Mapping):
+        raise SelectionError(
+            f"a selector maps columns to values, e.g. {{'profile': 'cpu_bf16', 'tp': 2}}; got {selector!r}"
+        )
+    require_frame(tokens, [], "a load_tokens frame")
     mask = pd.Series(True, index=tokens.index)
     for column, wanted in selector.items():
         if column not in tokens.columns:
@@ -209,6 +228,7 @@ def dlogp(tokens: pd.DataFrame, lhs: Selector, rhs: Selector | str = REFERENCE, 
     """
     if tensor not in FORWARD_TENSORS:
         raise SelectionError(f"tensor {tensor!r} is not one of {', '.join(FORWARD_TENSORS)}")
+    require_frame(tokens, TOKEN_COLUMNS, "a load_tokens frame")
     left = active_selection(tokens, lhs, "lhs")
     if isinstance(rhs, str):
         if rhs != REFERENCE or tensor != "logp":
@@ -261,6 +281,7 @@ def first_divergence(diffs: pd.DataFrame) -> pd.DataFrame:
     that position, and diverging_tokens (how many of the sample's active tokens differ).
     """
     groups = [RUN_DIR, "profile", "tp", "tp_mode", "cell", "sample_id"]
+    require_frame(diffs, [*groups, "position", "lhs", "rhs", "dlogp", "bits_equal"], "a dlogp frame")
     ordered = diffs.sort_values([*groups, "position"])
     differ = ordered[~ordered["bits_equal"]]
     first = differ.groupby(groups, observed=True, sort=False).head(1)[[*groups, "position", "lhs", "rhs", "dlogp"]]
@@ -275,8 +296,9 @@ def first_divergence(diffs: pd.DataFrame) -> pd.DataFrame:
 
 def worst_tokens(diffs: pd.DataFrame, n: int = 10) -> pd.DataFrame:
     """The ``n`` rows of a ``dlogp`` frame with the largest |dlogp|; NaN/Inf rank first."""
-    if n < 0:
-        raise SelectionError(f"n={n} must be >= 0")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise SelectionError(f"n={n!r} must be an integer >= 0")
+    require_frame(diffs, ["dlogp"], "a dlogp frame")
     magnitude = diffs["dlogp"].abs().fillna(math.inf)
     return diffs.loc[magnitude.sort_values(ascending=False, kind="stable").index[:n]]
 
@@ -286,6 +308,9 @@ def baseline_runs(tokens: pd.DataFrame) -> pd.DataFrame:
 
     The baseline is chosen as the gate chooses the tp_invariance baseline: smallest tp, emulated first.
     """
+    require_frame(tokens, TOKEN_COLUMNS, "a load_tokens frame")
+    if not len(tokens):
+        raise SelectionError("the tokens frame holds no rows: no run to compare")
     runs = tokens[[*RUN_GROUP, "tp", "tp_mode", RUN_DIR]].drop_duplicates().astype({RUN_DIR: str, "tp_mode": str})
     order = [baseline_order(*key) for key in zip(runs["tp"], runs["tp_mode"], runs[RUN_DIR], strict=True)]
     runs = runs.iloc[sorted(range(len(runs)), key=order.__getitem__)]

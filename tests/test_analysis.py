@@ -191,3 +191,23 @@ def test_sweep_rows_of_runs_not_loaded_are_refused(small_sweep, tmp_path):
     )
     with pytest.raises(TableError, match=rf"{SWEEP_CHECKS_TABLE}.*0123456789abcdef"):
         analysis.load_checks(sweep_dir)
+
+
+DLOGP_FRAME = pd.DataFrame({"dlogp": [0.5, -2.0]})
+BAD_ARGUMENTS = {
+    "a selector that is not a mapping": (lambda t: analysis.select(t, [("tp", 2)]), r"a selector maps columns"),
+    "a frame that is not load_tokens'": (lambda t: analysis.dlogp(DLOGP_FRAME, {"tp": 1}), r"a load_tokens frame"),
+    "a tokens frame for first_divergence": (lambda t: analysis.first_divergence(t), r"expected a dlogp frame"),
+    "a fractional n": (lambda t: analysis.worst_tokens(DLOGP_FRAME, 1.5), r"n=1.5 must be an integer >= 0"),
+    "a bool n": (lambda t: analysis.worst_tokens(DLOGP_FRAME, True), r"n=True must be an integer >= 0"),
+    "by as one string": (lambda t: analysis.summary(t, by="profile"), r"by must be a list of column names"),
+    "a tokens frame for summary": (lambda t: analysis.summary(t), r"a load_checks frame: it has no column 'judgment'"),
+    "no tokens": (lambda t: analysis.dlogp_vs_canonical(t.iloc[:0]), r"the tokens frame holds no rows"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ARGUMENTS))
+def test_bad_arguments_to_the_helpers_are_typed_errors_naming_them(tokens, case):
+    call, match = BAD_ARGUMENTS[case]
+    with pytest.raises(SelectionError, match=match):
+        call(tokens)
