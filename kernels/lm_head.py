@@ -55,8 +55,8 @@ def matmul(
     impl = get_backend(backend)
     with call_checks(checks) as pending:
         check_matmul_shapes(hidden, weight)
-        hidden, weight = resolved(hidden), resolved(weight)
         check_matmul_values(hidden, weight, pending)
+        hidden, weight = resolved(hidden), resolved(weight)
         if checks is None:  # every check is of an input: its verdict reaches the host while the kernel runs
             pending.send()
         return call_node(impl.matmul, hidden, weight)
