@@ -99,4 +99,7 @@ def file_weight(model: ModelSpec, *, dtype: torch.dtype) -> torch.Tensor:
     weight = file.load([source.tensor])[source.tensor]
     file.cast_finite(source.tensor, weight, weight.dtype)  # every row finite as stored, padded rows included
     # Padded checkpoint rows are never real tokens: the kernels pad the vocab themselves.
-    return file.cast_finite(source.tensor, weight[: model.vocab_size], dtype).contiguous()
+    real = weight[: model.vocab_size]
+    if dtype != weight.dtype:  # only a cast can take a value found finite above past the range
+        real = file.cast_finite(source.tensor, real, dtype)
+    return real.contiguous()
