@@ -198,11 +198,19 @@ def orphan_tables(root: Path, candidates: set[Path]) -> list[str]:
             sorted(stray)]  # fmt: skip
 
 
+def sweep_dirs(root: Path) -> list[Path]:
+    """Every dir under ``root`` (itself included) that shows a sweep by any of its ``sweep_marks``, deepest first:
+    a sweep whose Hydra record or job list is gone is still judged as one, and fails on the missing record."""
+    found = {path.parent for name in (MULTIRUN_FILE, JOBS_FILE) for path in root.rglob(name)}
+    found |= {path.parent.parent for table in RUN_TABLES for path in root.rglob(f"{table}/*") if is_partition(path)}
+    return sorted(found, key=lambda path: len(path.parts), reverse=True)
+
+
 def enclosing_sweep(root: Path) -> Path | None:
     """The sweep dir that ``root`` lies inside (a job dir checked on its own, say), or None."""
-    if (root / MULTIRUN_FILE).is_file():
+    if sweep_marks(root):
         return None
-    return next((parent for parent in root.absolute().parents if (parent / MULTIRUN_FILE).is_file()), None)
+    return next((parent for parent in root.absolute().parents if sweep_marks(parent)), None)
 
 
 def discover(root: Path) -> tuple[list[Path], list[str], str]:
@@ -212,7 +220,7 @@ def discover(root: Path) -> tuple[list[Path], list[str], str]:
     dir inside a sweep (a job dir), its runs are judged as that sweep's jobs, and the sweep's verdict is not there
     to give: its other jobs and its cross-run verdicts are not under ``root``, so that is INCOMPLETE.
     """
-    sweeps = sorted({path.parent for path in root.rglob(MULTIRUN_FILE)}, key=lambda p: len(p.parts), reverse=True)
+    sweeps = sweep_dirs(root)
     candidates = candidate_dirs(root)
     complete: list[Path] = []
     incomplete: list[str] = []

@@ -200,6 +200,18 @@ def test_a_job_list_edited_after_a_crash_is_never_green(sweep, capsys, edit, cod
     assert message in output and "GREEN" not in output
 
 
+@pytest.mark.parametrize("record", [MULTIRUN_FILE, JOBS_FILE, "both"])
+def test_a_sweep_whose_records_are_gone_is_still_judged_as_a_sweep(sweep, capsys, record):
+    # Job #1 gone with its partitions too: judged as loose runs, the one left would be GREEN on its own.
+    for name in [MULTIRUN_FILE, JOBS_FILE] if record == "both" else [record]:
+        (sweep / name).unlink()
+    for path in (sweep / "1", sweep / TOKENS_TABLE / "job=1", sweep / CHECKS_TABLE / "job=1"):
+        shutil.rmtree(path)
+    result, output = check(sweep, capsys)
+    assert result == ExitCode.ERROR, output
+    assert "cannot be read as the sweep's job list" in output and "GREEN" not in output
+
+
 def test_a_job_dir_left_by_an_earlier_sweep_makes_the_sweep_incomplete(sweep):
     # The same sweep dir, run again with fewer jobs: job #1's dir and partitions from the first sweep remain, and a
     # plain pd.read_parquet of the sweep's datasets still loads them.
