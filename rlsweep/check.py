@@ -39,7 +39,7 @@ def console_summary(result: GateResult) -> str:
     if len(result.incomplete) > MAX_LISTED:
         lines.append(f"  ... {len(result.incomplete) - MAX_LISTED} more in summary.md")
     lines.append(
-        f"sweep gate: {result.scope + ': ' if result.scope else ''}{len(result.runs)} runs, {len(unexpected)} "
+        f"sweep gate: {result.runs_judged}, {len(unexpected)} "
         f"verdicts not as expected, {len(result.incomplete)} missing or incomplete -> {result.exit_code.word}"
     )
     return "\n".join(lines)

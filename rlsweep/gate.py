@@ -86,6 +86,11 @@ class GateResult:
     scope: str = ""  # where only part of a sweep was judged: which jobs of which sweep (``discover``)
 
     @property
+    def runs_judged(self) -> str:
+        """How many complete runs were judged, after the scope when only part of a sweep was: ``jobs ...: 3 runs``."""
+        return f"{self.scope + ': ' if self.scope else ''}{len(self.runs)} runs"
+
+    @property
     def unexpected(self) -> pd.DataFrame:
         both = pd.concat([self.run_checks, self.sweep_checks], ignore_index=True)
         return both[~as_expected(both["passed"], both["expected_pass"])] if len(both) else both
@@ -339,8 +344,7 @@ def verdict_counts(result: GateResult) -> pd.DataFrame:
 
 def summary_markdown(result: GateResult) -> str:
     counts = verdict_counts(result)
-    judged = f"Complete runs judged: {len(result.runs)}" + (f" ({result.scope})" if result.scope else "")
-    lines = ["# Sweep summary", "", f"{judged}.", ""]
+    lines = ["# Sweep summary", "", f"Complete runs judged: {result.runs_judged}.", ""]
     if result.incomplete:
         lines += [f"Missing or incomplete ({len(result.incomplete)}), so the sweep cannot be GREEN:", ""]
         lines += [f"- {line}" for line in result.incomplete] + [""]

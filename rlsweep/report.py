@@ -190,7 +190,7 @@ def build_sections(root: Path, result: GateResult, checks: pd.DataFrame) -> list
     unexpected = int((red["status"] != EXPECTED_RED).sum())
     status = (
         f"Gate: **{result.exit_code.word}** (exit code {int(result.exit_code)}). "
-        f"{result.scope + ': ' if result.scope else ''}{len(result.runs)} runs, "
+        f"{result.runs_judged}, "
         f"{len(result.incomplete)} missing or incomplete, {len(checks)} verdicts "
         f"({int((checks['level'] == analysis.SWEEP_LEVEL).sum())} across runs), {unexpected} not as expected, "
         f"{int((red['status'] == EXPECTED_RED).sum())} failed as declared (expected red)."
