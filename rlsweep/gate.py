@@ -22,11 +22,11 @@ import torch
 
 import kernels
 from rlsweep.contract import Contract, contract_from_mapping, op_class
-from rlsweep.discovery import discover
+from rlsweep.discovery import discover, enclosing_sweep
 from rlsweep.errors import OutputDirError, TablesNotFoundError
 from rlsweep.exitcodes import ExitCode, combine
 from rlsweep.judgments import apply_expected, compare_tokens, declaration_verdict
-from rlsweep.manifest import MANIFEST_FILE, verify_run
+from rlsweep.manifest import MANIFEST_FILE, input_paths, verify_run
 from rlsweep.spec import CANONICAL_CELL, ExpectedRed, declarations_of
 from rlsweep.tables import (
     CHECKS_SCHEMA,
@@ -60,6 +60,7 @@ class RunTables:
     contract: Contract
     tokens: pd.DataFrame
     checks: pd.DataFrame
+    inputs: dict[str, str]  # sha256 of each input file the run read, by input name (its manifest's ``inputs``)
 
     @property
     def label(self) -> str:
@@ -104,7 +105,8 @@ class GateResult:
 
 def load_run(directory: Path) -> RunTables:
     """A complete run's tables, each checked against its schema; a run always holds at least one verdict."""
-    files = verify_run(directory).files
+    state = verify_run(directory)
+    files = state.files
     tokens = read_table(files[TOKENS_TABLE], TOKENS_SCHEMA).to_pandas()
     checks = read_table(files[CHECKS_TABLE], CHECKS_SCHEMA).to_pandas()
     if not len(checks):
@@ -112,7 +114,34 @@ def load_run(directory: Path) -> RunTables:
     metadata = read_metadata(files[CHECKS_TABLE])
     run = checks.iloc[0][RUN_COLUMNS.names].to_dict()
     contract = contract_from_mapping(metadata["contract"], source=f"{files[CHECKS_TABLE]} metadata")
-    return RunTables(directory, run, metadata["config"], contract, tokens, checks)
+    return RunTables(directory, run, metadata["config"], contract, tokens, checks, dict(state.manifest["inputs"]))
+
+
+def changed_inputs(runs: Sequence[RunTables]) -> list[str]:
+    """One line per input file that runs of one sweep read at one path and found with different contents.
+
+    The file changed during the sweep (or between a sweep and its resumption), so those runs computed on different
+    inputs: judged apart by their weight hash, a tp degree would silently go without its tp verdicts; compared, they
+    would blame the change on tp. Neither is the sweep's verdict, so the gate calls it incomplete.
+    """
+    contents: dict[tuple[Path, str, str], dict[str, list[RunTables]]] = {}
+    for run in runs:
+        sweep = enclosing_sweep(run.directory)
+        for name, path in input_paths(run.config).items() if sweep is not None else ():
+            contents.setdefault((sweep, name, path), {}).setdefault(run.inputs.get(name, "none"), []).append(run)
+    lines = []
+    for (sweep, name, path), by_hash in contents.items():
+        if len(by_hash) > 1:
+            seen = "; ".join(
+                f"{digest[:12]} in {', '.join(str(run.directory.relative_to(sweep)) for run in members)}"
+                for digest, members in by_hash.items()
+            )
+            lines.append(
+                f"{sweep}: its runs read the {name} file {path!r} with {len(by_hash)} different contents ({seen}), "
+                "so they computed on different inputs and cannot be judged as one sweep: keep the file unchanged "
+                "and run the sweep again"
+            )
+    return lines
 
 
 def run_gate(root: str | Path) -> GateResult:
@@ -126,6 +155,7 @@ def run_gate(root: str | Path) -> GateResult:
             f"no rlsweep run ({MANIFEST_FILE}, {CHECKS_TABLE}/, {TOKENS_TABLE}/) in {str(root)!r}"
         )
     runs = [load_run(directory) for directory in complete]
+    incomplete += changed_inputs(runs)
     rows: list[dict[str, Any]] = []
     for lhs, rhs in tp_pairs(runs):
         rows += verdict_rows(lhs, tp_invariance(lhs, rhs))

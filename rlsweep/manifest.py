@@ -102,16 +102,21 @@ def code_version(backend_module: str | None = None) -> dict[str, Any]:
     return {"git_commit": git_commit(), "sources_sha256": digest.hexdigest()}
 
 
-def input_files(config: Mapping[str, Any]) -> dict[str, str]:
-    """sha256 of the files a run reads besides its config: the weights file and the replay file."""
-    files = {}
+def input_paths(config: Mapping[str, Any]) -> dict[str, str]:
+    """The files a run reads besides its config, by input name: ``weights`` and ``replay``, as the config names them."""
+    paths = {}
     weights = config["model"]["weights"]
     if weights.get("kind") == "file" and weights.get("path"):
-        files["weights"] = file_sha256(weights["path"], "weights file")
+        paths["weights"] = str(weights["path"])
     workload = config["workload"]
     if workload.get("source") == "replay" and workload.get("path"):
-        files["replay"] = file_sha256(workload["path"], "replay file")
-    return files
+        paths["replay"] = str(workload["path"])
+    return paths
+
+
+def input_files(config: Mapping[str, Any]) -> dict[str, str]:
+    """sha256 of the files a run reads besides its config (``input_paths``), by input name."""
+    return {name: file_sha256(path, f"{name} file") for name, path in input_paths(config).items()}
 
 
 @dataclass(frozen=True)
@@ -212,6 +217,9 @@ def read_manifest(directory: Path) -> tuple[dict[str, Any] | None, str]:
         return None, f"{MANIFEST_FILE} is not an rlsweep run manifest ({MANIFEST_FORMAT})"
     if not isinstance(manifest.get("tables"), dict) or not isinstance(manifest.get("config_sha256"), str):
         return None, f"{MANIFEST_FILE} lacks its tables or config_sha256"
+    inputs = manifest.get("inputs")
+    if not isinstance(inputs, dict) or not all(isinstance(v, str) for v in inputs.values()):
+        return None, f"{MANIFEST_FILE} lacks the sha256 of its input files (inputs)"
     for name, entry in manifest["tables"].items():
         if not (
             isinstance(entry, dict) and isinstance(entry.get("path"), str) and isinstance(entry.get("sha256"), str)

@@ -16,7 +16,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from rlsweep_fixtures import multirun, run_rlsweep, table_file, tables_left, with_fault
+from safetensors.torch import save_file
 
 from rlsweep.check import main as check_main
 from rlsweep.discovery import JOBS_FILE, MULTIRUN_FILE, write_job_list
@@ -302,6 +304,27 @@ def test_resume_reruns_a_job_whose_content_differs(sweep):
     assert done.returncode == ExitCode.GREEN, done.stdout + done.stderr
     assert done.stdout.count("is complete in") == 1  # job 1 skipped, job 0 rerun
     assert json.loads(manifest_path.read_text())["content_sha256"] != "0" * 64
+
+
+def test_a_weights_file_changed_during_a_sweep_is_incomplete_not_green(tmp_path):
+    # Judged apart by their weight hash, the tp=2 run would have gone without any tp verdict and the sweep GREEN.
+    heads = []
+    for seed in (1, 2):
+        heads.append(tmp_path / f"head{seed}.safetensors")
+        weight = torch.randn(301, 32, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        save_file({"lm_head.weight": weight}, heads[-1])
+    path = tmp_path / "head.safetensors"
+    shutil.copy(heads[0], path)
+    fault = (
+        "import shutil, rlsweep.job as job\n"
+        "original = job.write_manifest\n"
+        f"job.write_manifest = lambda *a, **k: (original(*a, **k), shutil.copy({str(heads[1])!r}, {str(path)!r}))[0]"
+    )
+    head = ["model=replay", "model.hidden_size=32", "model.vocab_size=301", f"model.weights.path={path}"]
+    sweep_dir = tmp_path / "sweep"
+    done = with_fault(fault, "rlsweep", f"hydra.sweep.dir={sweep_dir}", *SMALL, *head, "--multirun")
+    assert_not_green(done, ExitCode.INCOMPLETE)
+    assert f"read the weights file {str(path)!r} with 2 different contents" in done.stdout
 
 
 def test_a_full_disk_is_one_line_and_leaves_no_table(tmp_path):
