@@ -39,13 +39,14 @@ from rlsweep.tables import (
     read_table,
     write_tables,
 )
-from rlsweep.verdicts import FORWARD_TENSORS, REPORTED_ONLY, SWEEP_JUDGMENTS, Judgment, Tensor, Verdict, as_expected
+from rlsweep.verdicts import FORWARD_TENSORS, REPORTED_ONLY, RUN_JUDGMENTS, Judgment, Tensor, Verdict, as_expected
 
 SWEEP_CHECKS_TABLE = "sweep_checks.parquet"
 SUMMARY_FILE = "summary.md"
 TP_MODE_ORDER = ("emulated", "distributed")  # the baseline of a tp group is emulated when both ran
 # Runs whose tokens can be compared token by token: the same inputs. A tp group adds the profile.
 COMPARABLE_COLUMNS = ("model", "weight_hash", "workload", "seed")
+DECLARED_BY = ("judgment", "lhs_cell", "tensor")  # the columns an expected_red declaration selects rows by
 VERDICT_GROUPS = ("profile", "tp", "judgment")
 VERDICT_COUNTS = ("passed", "failed", "unexpected")  # unexpected: passed != expected_pass
 
@@ -168,7 +169,8 @@ def run_gate(root: str | Path) -> GateResult:
 
 
 def declaration_check(runs: Sequence[RunTables], sweep_rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Red rows for declarations that select no run, and for sweep-judgment declarations that match no row.
+    """Red rows for declarations that select no run, and for the other declarations that match no row of the runs
+    they select: sweep rows, and for a judgment of both levels (``BOTH_LEVELS``) the runs' own rows too.
 
     Each run already judged its own run-judgment declarations (a red ``expected_red`` row where one matched nothing).
     """
@@ -183,13 +185,11 @@ def declaration_check(runs: Sequence[RunTables], sweep_rows: Sequence[dict[str, 
             verdict = replace(declaration_verdict(declaration, 0, "this sweep"),
                               detail=f"{declaration.describe()} selects no run of this sweep")  # fmt: skip
             rows += verdict_rows(runs[0], [verdict])
-        elif declaration.judgment in SWEEP_JUDGMENTS:
+        elif declaration.judgment not in RUN_JUDGMENTS:
             ids = {run.run["run_id"] for run in selected}
-            matched = sum(
-                declaration.declares(row["judgment"], row["lhs_cell"], row["tensor"])
-                for row in sweep_rows
-                if row["run_id"] in ids
-            )
+            judged = [row for row in sweep_rows if row["run_id"] in ids]
+            judged += [row for run in selected for row in run.checks[list(DECLARED_BY)].to_dict("records")]
+            matched = sum(declaration.declares(*(row[key] for key in DECLARED_BY)) for row in judged)
             if not matched:
                 rows += verdict_rows(selected[0], [declaration_verdict(declaration, 0, "this sweep")])
     return rows

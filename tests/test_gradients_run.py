@@ -153,3 +153,26 @@ def test_the_gate_compares_each_tokens_d_hidden_and_each_cells_d_weight_bits_acr
     tokens.loc[tokens.cell == cells[-1], "grad_weight_bits"] = "0" * 64
     red = [v for v in tp_invariance(replace(other, tokens=tokens), baseline) if not v.passed]
     assert [(v.judgment, v.tensor, v.lhs_cell) for v in red] == [("gradient_invariance", "grad_weight", cells[-1])]
+
+
+@pytest.mark.xdist_group("grad")
+def test_a_controls_gradient_reds_are_declared_like_any_other_and_a_gradient_declaration_matching_none_is_red(
+    tmp_path,
+):
+    from rlsweep_fixtures import multirun, run_rlsweep
+
+    control = ("profile=negative_control_cpu", "layout=smoke", "grad=true")
+    declared = [f"{{judgment:{j},reason:control}}" for j in ("forward_invariance", "gradient_accuracy")]
+    everywhere = "{judgment:gradient_invariance,reason:control}"
+    single = run_rlsweep(tmp_path / "run", *control, f"expected_red=[{','.join([*declared, everywhere])}]")
+    assert single.returncode == 0, single.stdout + single.stderr
+    done = multirun(tmp_path / "sweep", *control, "tp=1,2", f"expected_red=[{','.join([*declared, everywhere])}]")
+    assert done.returncode == 0, done.stdout + done.stderr
+    # A run compares each cell's d hidden with the canonical cell's, so no row of it has the canonical cell; the
+    # control is not cross_tp_bitwise, so the gate has no gradient rows for it either.
+    canonical = "{judgment:gradient_invariance,cells:[BN/packed],reason:control}"
+    done = multirun(tmp_path / "blind", *control, "tp=1,2", f"expected_red=[{','.join([*declared, canonical])}]")
+    assert done.returncode == 2, done.stdout + done.stderr
+    sweep = pd.read_parquet(tmp_path / "blind" / "sweep_checks.parquet")
+    unmatched = sweep[(sweep.judgment == "expected_red") & ~sweep.passed]
+    assert unmatched.tensor.tolist() == ["gradient_invariance"] and "cells: ['BN/packed']" in unmatched.detail.iloc[0]
