@@ -19,7 +19,7 @@ from kernels import grad
 from kernels.backend import BACKENDS, LogprobBackend, get_backend
 from kernels.contract import TP_MODES
 from kernels.distributed import distributed_gradients, run_distributed
-from kernels.errors import KernelInputError, ShapeMismatchError
+from kernels.errors import InputChangedError, KernelInputError, ShapeMismatchError
 from kernels.provenance import NodeProvenance, call_node
 from kernels.ranks import (
     LogprobResult,
@@ -33,6 +33,7 @@ from kernels.ranks import (
 from kernels.sharding import ShardingSpec
 from kernels.validation import (
     ValueChecks,
+    changed_since_checked,
     check_finite,
     check_lm_head_inputs,
     check_logits_inputs,
@@ -87,12 +88,23 @@ def logprob(
         safe_targets = targets if whole is not None else check_target_range(targets, vocab, pending)
         result = finish(impl, safe_targets, sharding, ranks, tp_mode="emulated")
         # A non-finite input is named as one, as the up-front scan would, before an overflow is considered.
-        name_input = functools.partial(check_finite, "logits", logits) if in_kernel else None
+        deferred = checks is not None
+        name_input = functools.partial(explain_logits, logits, result.lse, deferred) if in_kernel else None
         if whole is not None:
-            require_status(result, whole, targets, vocab, logits.dtype, pending, first=name_input)
+            require_status(result, whole, targets, vocab, logits.dtype, pending, first=name_input, deferred=deferred)
         else:
             require_finite(result, logits.dtype, pending, first=name_input)
         return result
+
+
+def explain_logits(logits: torch.Tensor, lse: torch.Tensor, deferred: bool) -> None:
+    """Before a non-finite output of a kernel that checks the logits itself is blamed on an overflow: the
+    NonFiniteInputError of a NaN or ±Inf logit; then, for checks read after the call (``deferred``), InputChangedError
+    where a row's lse is not finite, which finite logits never give (max + log of a sum of at most V): the kernel
+    read a logit that is gone."""
+    check_finite("logits", logits)
+    if deferred and not bool(torch.isfinite(lse).all()):
+        raise InputChangedError(changed_since_checked("logits", "every value is finite now"))
 
 
 @contextlib.contextmanager

@@ -15,12 +15,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from kernels.backend import LogprobBackend, ShardPartials, WholeVocab
-from kernels.errors import NonFiniteOutputError, ShapeMismatchError, TPConfigError
+from kernels.errors import InputChangedError, NonFiniteOutputError, ShapeMismatchError, TPConfigError
 from kernels.provenance import NodeProvenance, Provenance, across_ranks, call_node
 from kernels.sharding import ShardingSpec
 from kernels.validation import (
     IGNORE_INDEX,
     ValueChecks,
+    changed_since_checked,
     dtype_name,
     explain_target_range,
     out_of_range,
@@ -93,14 +94,16 @@ def require_status(
     checks: ValueChecks,
     *,
     first: Callable[[], None] | None = None,
+    deferred: bool = False,
 ) -> None:
     """Queue the verdict a ``whole_vocab`` kernel wrote itself (``WholeVocab.status``) in place of the target-range
     check and ``require_finite``'s screen: its status words, read with the call's other checks, explained by the
-    same errors in the same order (an out-of-range target before a non-finite output)."""
-    checks.add(
-        whole.status,
-        functools.partial(explain_status, whole.status, result, targets, vocab_size, execution_dtype, first),
+    same errors in the same order (an out-of-range target before a non-finite output). ``deferred``: the caller
+    reads ``checks`` after the call returned (``checks=``), so the inputs may have been written since."""
+    explain = functools.partial(
+        explain_status, whole.status, result, targets, vocab_size, execution_dtype, first, deferred=deferred
     )
+    checks.add(whole.status, explain)
 
 
 def explain_status(
@@ -110,12 +113,16 @@ def explain_status(
     vocab_size: int,
     execution_dtype: torch.dtype,
     first: Callable[[], None] | None,
+    *,
+    deferred: bool,
 ) -> None:
     bits = functools.reduce(operator.or_, status.tolist(), 0)
     if bits & 1:
         bad = out_of_range(targets, vocab_size)
         if bool(bad.any()):
             explain_target_range(targets, bad, vocab_size)
+        if deferred:  # the kernel saw a target out of range that is no longer there
+            raise InputChangedError(changed_since_checked("targets", "every target is in range now"))
     if bits & 2:
         explain_nonfinite_row(result, execution_dtype, first)
     # A status word is the kernel's own verdict, not a screen that can raise a false alarm: one that nothing explains

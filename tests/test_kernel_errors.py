@@ -349,6 +349,33 @@ def test_an_input_changed_before_its_deferred_check_is_read_raises(backend):
         checks.raise_first()
 
 
+@pytest.mark.parametrize("backend", ["aten", "triton", "triton_fused"])
+def test_logits_or_targets_changed_before_a_deferred_logprob_check_is_read_raise(backend):
+    """``logprob`` on the Triton backends checks targets and logits inside its kernel (status words): a flag whose
+    cause was written away after the call is an input that changed, not a kernel fault or an overflow; an overflow
+    of finite logits is still named as one."""
+    if backend.startswith("triton") and not triton_runs_on("cpu"):
+        pytest.skip("triton needs CUDA or TRITON_INTERPRET=1")
+    hidden, weight, targets = good_inputs(vocab=300)
+    logits, checks = hidden @ weight.T, kernels.ValueChecks()
+    bad_targets = targets.clone()
+    bad_targets[3] = 300
+    kernels.logprob(logits, bad_targets, backend=backend, vocab_tile=64, checks=checks)
+    bad_targets[3] = 1
+    with pytest.raises(kernels.InputChangedError, match=r"targets changed after the call that queued its check"):
+        checks.raise_first()
+    bad_logits = logits.clone()
+    bad_logits[2, 7] = float("nan")
+    kernels.logprob(bad_logits, targets, backend=backend, vocab_tile=64, checks=checks)
+    bad_logits[2, 7] = 0.0
+    with pytest.raises(kernels.InputChangedError, match=r"logits changed after .* every value is finite now"):
+        checks.raise_first()
+    logits[1, (targets[1] + 1) % 300], logits[1, targets[1]] = 3e38, -3e38  # finite; logp leaves fp32
+    kernels.logprob(logits, targets, backend=backend, vocab_tile=64, checks=checks)
+    with pytest.raises(kernels.NonFiniteOutputError, match=r"row 1: logp is -inf although every input is finite"):
+        checks.raise_first()
+
+
 def test_rank_groups_compute_on_the_cpu_or_cuda_only():
     with pytest.raises(kernels.TPConfigError, match=r"device_type must be one of \('cpu', 'cuda'\), got 'tpu'"):
         with kernels.distributed_ranks("aten", kernels.ShardingSpec.even(100, 16, 2), "tpu"):
