@@ -40,6 +40,7 @@ from kernels.validation import (
     check_matmul_shapes,
     check_matmul_values,
     check_target_range,
+    explain_narrowing,
     resolved,
 )
 
@@ -87,22 +88,25 @@ def logprob(
         whole = ranks[0].whole  # a backend's one-launch TP = 1 path checks the targets and its outputs itself
         safe_targets = targets if whole is not None else check_target_range(targets, vocab, pending)
         result = finish(impl, safe_targets, sharding, ranks, tp_mode="emulated")
-        # A non-finite input is named as one, as the up-front scan would, before an overflow is considered.
+        # A non-finite input is named as one, as the up-front scan would, before an overflow is considered; logp
+        # and lse are computed in their own dtype, whatever the logits' (float64 ones are reduced in float32).
         deferred = checks is not None
-        name_input = functools.partial(explain_logits, logits, result.lse, deferred) if in_kernel else None
+        name_input = functools.partial(explain_logits, logits, result.lse, deferred)
+        reduced = result.lse.dtype
         if whole is not None:
-            require_status(result, whole, targets, vocab, logits.dtype, pending, first=name_input, deferred=deferred)
+            require_status(result, whole, targets, vocab, reduced, pending, first=name_input, deferred=deferred)
         else:
-            require_finite(result, logits.dtype, pending, first=name_input)
+            require_finite(result, reduced, pending, first=name_input)
         return result
 
 
 def explain_logits(logits: torch.Tensor, lse: torch.Tensor, deferred: bool) -> None:
-    """Before a non-finite output of a kernel that checks the logits itself is blamed on an overflow: the
-    NonFiniteInputError of a NaN or ±Inf logit; then, for checks read after the call (``deferred``), InputChangedError
-    where a row's lse is not finite, which finite logits never give (max + log of a sum of at most V): the kernel
-    read a logit that is gone."""
+    """Before a non-finite output of ``logprob`` is blamed on an overflow: the NonFiniteInputError of a NaN or ±Inf
+    logit, or of one past the range of lse's dtype, which the backend reduces them in; then, for checks read after
+    the call (``deferred``), InputChangedError where a row's lse is not finite, which finite logits never give (max
+    + log of a sum of at most V): the kernel read a logit that is gone."""
     check_finite("logits", logits)
+    explain_narrowing("logits", logits, lse.dtype)
     if deferred and not bool(torch.isfinite(lse).all()):
         raise InputChangedError(changed_since_checked("logits", "every value is finite now"))
 

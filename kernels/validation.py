@@ -265,6 +265,20 @@ def explain_nonfinite(name: str, tensor: torch.Tensor) -> None:
         raise InputChangedError(changed_since_checked(name, "every value is finite now"))
 
 
+def explain_narrowing(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    """NonFiniteInputError naming the first finite value of ``tensor`` past the range of ``dtype``, the narrower
+    dtype a backend reads it in (float64 logits reduced in float32): it reads as ±Inf there."""
+    if not tensor.dtype.is_floating_point or torch.finfo(tensor.dtype).max <= torch.finfo(dtype).max:
+        return
+    past = torch.isfinite(tensor) & ~torch.isfinite(tensor.to(dtype))
+    if bool(past.any()):
+        index = tuple(int(i) for i in past.nonzero()[0])
+        raise NonFiniteInputError(
+            f"{name} holds {tensor[index].item()} at index {index}, past the largest finite {dtype_name(dtype)} "
+            f"({torch.finfo(dtype).max:.4g}), the dtype they are reduced in: it reads as ±inf there"
+        )
+
+
 def changed_since_checked(name: str, now: str) -> str:
     return (
         f"{name} changed after the call that queued its check: the check found a bad value, but {now}; the call's "

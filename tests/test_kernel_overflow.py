@@ -62,3 +62,19 @@ def test_the_error_is_typed_in_distributed_mode_too():
     hidden, weight, targets = overflowing_inputs(torch.float32, "cpu")
     with pytest.raises(kernels.NonFiniteOutputError, match=rf"row {OVERFLOWING_ROWS[0]}: "):
         kernels.lm_head_logprob(hidden, weight, targets, backend="aten", tp=2, tp_mode="distributed", vocab_tile=TILE)
+
+
+@pytest.mark.parametrize("backend", ["aten", "triton"])
+def test_float64_logits_past_the_float32_range_are_named_as_inputs(backend, device):
+    """A backend that reduces logits in float32 reads a float64 logit past its range as ±inf: the logit is named,
+    not an overflow of the float64 it fits in; the reference, which reduces in float64, computes it."""
+    if backend == "triton" and not triton_runs_on(device):
+        pytest.skip("triton needs CUDA or TRITON_INTERPRET=1")
+    logits = torch.zeros(3, VOCAB, dtype=torch.float64, device=device)
+    logits[1, 5] = 1e39
+    targets = torch.tensor([0, 5, 2], device=device)
+    assert bool(kernels.logprob(logits, targets, backend="reference", vocab_tile=TILE).lse.isfinite().all())
+    with pytest.raises(
+        kernels.NonFiniteInputError, match=r"logits holds 1e\+39 at index \(1, 5\), past the largest finite float32"
+    ):
+        kernels.logprob(logits, targets, backend=backend, vocab_tile=TILE)
