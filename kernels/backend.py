@@ -162,7 +162,7 @@ def _declared_kernels(backend_id: str, kernels: Mapping[str, Iterable[str]]) -> 
 
 
 def get_backend(backend_id: str) -> LogprobBackend:
-    if backend_id not in BACKENDS:
+    if not isinstance(backend_id, str) or backend_id not in BACKENDS:
         raise BackendUnavailableError(f"unknown backend {backend_id!r}; available: {', '.join(sorted(BACKENDS))}")
     return BACKENDS[backend_id]
 

@@ -165,6 +165,12 @@ def _resolve(
     contract: LogprobContract, requested_backend: str, policy: DispatchPolicy, tp_mode: str
 ) -> tuple[str, LogprobBackendCapability]:
     registered = registered_backends()  # every platform's, in registration order
+    if not isinstance(requested_backend, str):
+        raise LogprobDispatchError(
+            f"requested_backend must be 'auto' or a backend id ({', '.join(registered) or 'none registered'}); "
+            f"got {requested_backend!r}",
+            {},
+        )
     candidates = list(registered) if policy is DispatchPolicy.AUTO else [requested_backend]
     rejections = {backend: _rejections(contract, registered, backend, policy, tp_mode) for backend in candidates}
     for backend in candidates:

@@ -3,6 +3,8 @@ before any work is done, values (queued beside the kernels) before the call retu
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import DEVICES, triton_runs_on
@@ -103,6 +105,22 @@ def test_tp_requests_the_geometry_cannot_serve(kwargs, match):
 def test_unknown_backend_lists_the_available_ones():
     with pytest.raises(kernels.BackendUnavailableError, match=r"unknown backend 'cublas'; available: aten, control"):
         kernels.lm_head_logprob(*good_inputs(), backend="cublas")
+
+
+@pytest.mark.parametrize("backend", [["aten"], {"id": "aten"}, None])
+def test_a_backend_id_that_is_no_string_is_refused_as_unknown(backend):
+    """An unhashable id reached a dict lookup as a bare TypeError; every entry point names it as unknown."""
+    hidden, weight, targets = good_inputs()
+    shown = re.escape(repr(backend))
+    with pytest.raises(kernels.BackendUnavailableError, match=rf"unknown backend {shown}; available: aten"):
+        kernels.lm_head_logprob(hidden, weight, targets, backend=backend)
+    with pytest.raises(kernels.BackendUnavailableError, match=rf"unknown backend {shown}"):
+        kernels.matmul(hidden, weight, backend=backend)
+    with pytest.raises(kernels.BackendUnavailableError, match=rf"unknown backend {shown}"):
+        kernels.distributed_ranks(backend, kernels.ShardingSpec.even(100, 16, 2), "cpu").__enter__()
+    contract = kernels.LogprobContract.even(100, 16, 1, dtype=torch.float32, platform="cpu")
+    with pytest.raises(kernels.LogprobDispatchError, match=rf"must be 'auto' or a backend id \(triton, .*got {shown}"):
+        kernels.get_logprob_op(contract, backend)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() >= 2, reason="needs exactly one GPU")
