@@ -26,6 +26,7 @@ from kernels.validation import (
     ValueChecks,
     check_lm_head_inputs,
     check_target_range,
+    check_tensor,
     dtype_name,
 )
 
@@ -114,6 +115,15 @@ def check_bound_inputs(
     checks.raise_first()
 
 
+def call_rows(rows: object, device: torch.device) -> torch.Tensor:
+    """One call's row indices of ``gradient_bound(calls=...)`` as int64: integers only, as a float or bool would be
+    truncated to other rows."""
+    indices = torch.as_tensor(rows, device=device)
+    if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
+        raise DtypeMismatchError(f"calls must hold integer row indices; got a call of dtype {indices.dtype}: {rows!r}")
+    return indices.long()
+
+
 @dataclass(frozen=True)
 class GradientBound:
     """Float64 bounds on |candidate - reference| of d hidden [T, H] and d weight [V, H], and the float64
@@ -156,11 +166,16 @@ def gradient_bound(
     """
     check_bound_inputs(hidden, weight, targets, logits_dtype)
     for name, upstream in (("g_logp", g_logp), ("g_lse", g_lse)):
+        check_tensor(name, upstream)
         if upstream.shape != targets.shape or upstream.device != targets.device:
             raise ShapeMismatchError(
                 f"{name} must be [T] with T={targets.shape[0]} on {targets.device}, got shape "
                 f"{tuple(upstream.shape)} on {upstream.device}"
             )
+    if lse_bound is not None:
+        check_tensor("lse_bound", lse_bound)
+        if lse_bound.shape != targets.shape:
+            raise ShapeMismatchError(f"lse_bound must be [T] with T={targets.shape[0]}, got {tuple(lse_bound.shape)}")
     u = FP32_UNIT_ROUNDOFF
     h, w = hidden.double(), weight.double()
     rows, vocab = h.shape[0], w.shape[0]
@@ -172,7 +187,7 @@ def gradient_bound(
     lse_bound = lse_bound.double().to(h.device)
     gradient_dtype = min((logits_dtype, hidden.dtype), key=SIGNIFICAND_BITS.__getitem__)
     every_row = torch.arange(rows, device=h.device)
-    calls = [every_row] if calls is None else [torch.as_tensor(c, device=h.device).long() for c in calls]
+    calls = [every_row] if calls is None else [call_rows(c, h.device) for c in calls]
     covered = torch.sort(torch.cat(calls)).values if calls else every_row[:0]
     if covered.shape != every_row.shape or not bool((covered == every_row).all()):
         raise ShapeMismatchError(f"calls must partition the {rows} rows, each row in exactly one call")

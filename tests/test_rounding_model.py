@@ -56,6 +56,26 @@ def test_the_bounds_refuse_inputs_the_kernels_refuse(bound, mutate, error, match
             kernels.gradient_bound(hidden, weight, targets, upstream, upstream, logits_dtype=logits_dtype)
 
 
+@pytest.mark.parametrize(
+    ("extra", "error", "match"),
+    [
+        ({"calls": [[0.5, 1], [2, 3]]}, kernels.DtypeMismatchError, r"calls must hold integer row indices"),
+        ({"calls": [[True, True, False, False]]}, kernels.DtypeMismatchError, r"integer row indices; .* torch.bool"),
+        ({"lse_bound": torch.ones(3)}, kernels.ShapeMismatchError, r"lse_bound must be \[T\] with T=4, got \(3,\)"),
+        ({"g_logp": [1.0, 1.0, 1.0, 1.0]}, kernels.KernelInputError, r"g_logp must be a torch.Tensor, got list"),
+    ],
+    ids=["float-rows", "bool-rows", "short-lse-bound", "list-upstream"],
+)
+def test_the_gradient_bound_refuses_arguments_it_would_misread(extra, error, match):
+    """Float or bool row indices were truncated to other rows (a bound of another partition), a short lse bound and
+    a list of upstream gradients raised IndexError and AttributeError from inside."""
+    hidden, weight, targets = bound_inputs()
+    arguments = {"g_logp": torch.ones(4), "g_lse": torch.ones(4), **extra}
+    g_logp, g_lse = arguments.pop("g_logp"), arguments.pop("g_lse")
+    with pytest.raises(error, match=match):
+        kernels.gradient_bound(hidden, weight, targets, g_logp, g_lse, logits_dtype=torch.bfloat16, **arguments)
+
+
 def test_bits_compare_for_every_width_and_refuse_tensors_that_differ_in_shape_or_dtype():
     flags = torch.tensor([True, False, True])
     assert kernels.first_bit_difference(flags, flags.clone()) is None
