@@ -22,7 +22,7 @@ from kernels.lm_head import sharded_lm_head_logprob
 from kernels.provenance import ProvenanceMismatchError, provenance_mismatches
 from kernels.ranks import LogprobResult
 from kernels.sharding import ShardingSpec
-from kernels.validation import dtype_name
+from kernels.validation import check_tensor, dtype_name
 
 
 class LogprobDispatchError(RuntimeError):
@@ -113,6 +113,8 @@ class LogprobOp:
 
     def _check_inputs(self, hidden: torch.Tensor, weight: torch.Tensor) -> None:
         contract = self.contract
+        check_tensor("hidden", hidden)
+        check_tensor("weight", weight)
         if hidden.device.type != contract.platform:
             raise KernelInputError(f"hidden is on {hidden.device}, but the contract runs on {contract.platform!r}")
         if dtype_name(hidden.dtype) != contract.dtype:

@@ -40,6 +40,7 @@ from kernels.validation import (
     check_matmul_shapes,
     check_matmul_values,
     check_target_range,
+    check_tensor,
     explain_narrowing,
     resolved,
 )
@@ -138,6 +139,7 @@ def lm_head_logprob(
 ) -> LogprobResult:
     """hidden[T, H], weight[V, H], targets[T] -> logp and lse of each row's target, vocab split over ``tp`` ranks.
     ``checks`` as for ``matmul`` (``tp_mode="distributed"`` still reads the input checks before its ranks start)."""
+    check_tensor("weight", weight)  # its vocab sizes the split
     if weight.dim() != 2:
         raise ShapeMismatchError(f"weight must be [V, H], got shape {tuple(weight.shape)}")
     sharding = ShardingSpec.even(weight.shape[0], vocab_tile, tp)  # raises TPConfigError for tp or tile

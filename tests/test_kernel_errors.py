@@ -324,13 +324,18 @@ def test_inputs_viewed_as_negated_give_the_values_they_read_as(backend):
         (lambda h, w, t: (h, w, t.tolist()), r"targets must be a torch.Tensor, got list"),
         (lambda h, w, t: (h.to_sparse(), w, t), r"hidden is a tensor of layout torch.sparse_coo"),
         (lambda h, w, t: (h, w.to("meta"), t), r"weight is a tensor on the meta device"),
+        (lambda h, w, t: (h, w.numpy(), t), r"weight must be a torch.Tensor, got ndarray"),
+        (lambda h, w, t: (h.tolist(), w, t), r"hidden must be a torch.Tensor, got list"),
     ],
-    ids=["list", "sparse", "meta"],
+    ids=["list", "sparse", "meta", "weight-array", "hidden-list"],
 )
 @pytest.mark.parametrize("backend", ["aten", "triton"])
 def test_inputs_that_are_not_dense_tensors_are_refused_by_name(backend, mutate, match):
     with pytest.raises(kernels.KernelInputError, match=match):
         kernels.lm_head_logprob(*mutate(*good_inputs()), backend=backend, vocab_tile=16)
+    contract = kernels.LogprobContract.even(100, 16, 1, dtype=torch.float32, platform="cpu")
+    with pytest.raises(kernels.KernelInputError, match=match):  # the dispatched op checks them first
+        kernels.get_logprob_op(contract, "triton")(*mutate(*good_inputs()))
 
 
 @pytest.mark.parametrize("backend", ["triton", "triton_fused"])
