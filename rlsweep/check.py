@@ -45,6 +45,21 @@ def console_summary(result: GateResult) -> str:
     return "\n".join(lines)
 
 
+def directory_argument(text: str) -> Path:
+    """DIR of ``rlsweep.check`` and ``rlsweep.report``: an empty one (an unset shell variable, quoted) is a usage
+    error, never the current directory judged in its place."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is empty: name a run dir, a sweep dir or an outputs/ tree ('.' for the current directory)"
+        )
+    return Path(text)
+
+
+def add_directory_argument(parser: argparse.ArgumentParser) -> None:
+    """The DIR argument both commands take (``directory_argument``)."""
+    parser.add_argument("directory", type=directory_argument, help="a run dir, a sweep dir or a whole outputs/ tree")
+
+
 def gate_directory(root: str | Path) -> ExitCode:
     """Run the gate over ``root``, write its tables there, print the summary; return the exit code."""
     root = Path(root)
@@ -60,7 +75,7 @@ def gate_directory(root: str | Path) -> ExitCode:
 def main(argv: list[str] | None = None) -> int:
     def command() -> ExitCode:
         parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-        parser.add_argument("directory", type=Path, help="a run dir, a sweep dir or a whole outputs/ tree")
+        add_directory_argument(parser)
         args = parser.parse_args(argv)
         return gate_directory(args.directory)
 

@@ -20,7 +20,7 @@ from typing import Any
 import pandas as pd
 
 from rlsweep import analysis, plots
-from rlsweep.check import console_summary
+from rlsweep.check import add_directory_argument, console_summary
 from rlsweep.errors import OutputDirError, TablesNotFoundError
 from rlsweep.exitcodes import ExitCode, guarded
 from rlsweep.gate import GateResult, RunTables, reported_only, run_gate
@@ -386,7 +386,7 @@ def report_dir(out: str | None, directory: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     def command() -> ExitCode:
         parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-        parser.add_argument("directory", type=Path, help="a run dir, a sweep dir or a whole outputs/ tree")
+        add_directory_argument(parser)
         parser.add_argument("--out", default=None, help="where to write the report (default: DIRECTORY)")
         args = parser.parse_args(argv)
         out = report_dir(args.out, args.directory)

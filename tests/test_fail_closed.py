@@ -482,6 +482,16 @@ def test_usage_errors_of_check_and_report_are_exit_1(main, argv, capsys):
     assert "usage: python -m rlsweep." in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("main", [check_main, report_main])
+@pytest.mark.parametrize("directory", ["", " "])
+def test_an_empty_dir_argument_is_a_usage_error_not_the_current_dir(main, directory, sweep, monkeypatch, capsys):
+    monkeypatch.chdir(sweep)  # a green sweep: judged in DIR's place, it would say GREEN
+    assert main([directory]) == ExitCode.ERROR
+    err = capsys.readouterr().err
+    assert f"argument directory: {directory!r} is empty: name a run dir" in err, err
+    assert not (sweep / "report.md").exists()
+
+
 def test_check_on_a_dir_without_runs_is_an_error(tmp_path, capsys):
     code, output = check(tmp_path, capsys)
     assert code == ExitCode.ERROR and "no rlsweep run" in output
