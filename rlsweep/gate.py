@@ -44,8 +44,9 @@ from rlsweep.verdicts import FORWARD_TENSORS, REPORTED_ONLY, RUN_JUDGMENTS, Judg
 SWEEP_CHECKS_TABLE = "sweep_checks.parquet"
 SUMMARY_FILE = "summary.md"
 TP_MODE_ORDER = ("emulated", "distributed")  # the baseline of a tp group is emulated when both ran
-# Runs whose tokens can be compared token by token: the same inputs. A tp group adds the profile.
-COMPARABLE_COLUMNS = ("model", "weight_hash", "workload", "seed")
+# Runs whose tokens can be compared token by token: the same inputs, by their bits (weight_hash, workload_hash:
+# a workload's name does not say its lengths, scale or replay file). A tp group adds the profile.
+COMPARABLE_COLUMNS = ("model", "weight_hash", "workload", "workload_hash", "seed")
 DECLARED_BY = ("judgment", "lhs_cell", "tensor")  # the columns an expected_red declaration selects rows by
 VERDICT_GROUPS = ("profile", "tp", "judgment")
 VERDICT_COUNTS = ("passed", "failed", "unexpected")  # unexpected: passed != expected_pass

@@ -135,6 +135,7 @@ def execute(spec: RunSpec, location: RunLocation, identity: RunIdentity, *, stan
         "config_fingerprint": config_fingerprint(spec.model),
         "weight_hash": "",
         "workload": spec.workload.name,
+        "workload_hash": "",
         "seed": spec.seed,
         "contract_version": contract.version,
         "contract_sha256": contract.sha256,
@@ -221,6 +222,7 @@ def compute(
     run["weight_hash"] = head.weight_hash
     verdicts.append(weight_pin_verdict(spec.model.weight_sha256, head.weight_hash))
     workload = build_workload(spec.workload, spec.model, head.weight, seed=spec.seed, dtype=profile.dtype)
+    run["workload_hash"] = workload.sha256
     cells = plan_cells(spec.layout, workload)
     filler = Filler(*workload.filler(filler_rows_needed(cells), spec.model.vocab_size))
     computed = Computed(workload=workload)

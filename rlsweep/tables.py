@@ -32,7 +32,7 @@ RUN_TABLES = (TOKENS_TABLE, CHECKS_TABLE)
 PART_FILE = "part-0.parquet"  # the one file of a run's partition
 PARTITION_KEY = "job"  # a sweep's partitions: job=<Hydra job number>, the number of the job's own dir
 PARTITION_NAME = re.compile(rf"{PARTITION_KEY}=\d+")
-SCHEMA_VERSION = "rlsweep-tables/4"  # in every table's metadata; bumped when a schema changes
+SCHEMA_VERSION = "rlsweep-tables/5"  # in every table's metadata; bumped when a schema changes
 METADATA_KEY = b"rlsweep"
 
 
@@ -75,6 +75,7 @@ RUN_COLUMNS = pa.schema(
         ("config_fingerprint", pa.string()),
         ("weight_hash", pa.string()),
         ("workload", pa.string()),
+        ("workload_hash", pa.string()),
         ("seed", pa.int64()),
         ("contract_version", pa.string()),
         ("contract_sha256", pa.string()),

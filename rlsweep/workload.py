@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -10,7 +11,7 @@ import kernels
 from rlsweep.errors import ReplayInputError
 from rlsweep.spec import MAX_SEQ_LEN, POSITION_BITS, ModelSpec, WorkloadSpec
 from rlsweep.synthetic import normal_matrix, standard_normal, uniform
-from rlsweep.tensor_files import TensorFile
+from rlsweep.tensor_files import TensorFile, bits_sha256
 
 REPLAY_TENSORS = ("hidden_states", "target_ids", "seq_lens")
 REPLAY_OPTIONAL = ("active_mask",)
@@ -57,6 +58,13 @@ class Workload:
         """Logical row indices of one sample, in position order."""
         start = sum(self.seq_lens[:sample])
         return torch.arange(start, start + self.seq_lens[sample])
+
+    @property
+    def sha256(self) -> str:
+        """The digest of what the kernels are given, as bits: every token's key, hidden state, target and active
+        flag. Two runs compute the same tokens exactly when theirs are equal, whatever their workload's name."""
+        parts = (self.sample_ids, self.positions, self.hidden, self.targets, self.active)
+        return hashlib.sha256("".join(bits_sha256(part) for part in parts).encode()).hexdigest()
 
     def upstream(self) -> torch.Tensor:
         """The gradient a loss sends back to each token's logp [T] fp32 (CPU): normal on active tokens, 0 on

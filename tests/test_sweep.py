@@ -41,6 +41,17 @@ def test_triton_sweep_is_green_with_a_bitwise_tp_row_for_every_cell(tmp_path):
     assert (tmp_path / SUMMARY_FILE).is_file()
 
 
+def test_runs_of_one_workload_name_are_grouped_by_their_inputs_bits(tmp_path):
+    # hidden_scale changes every hidden state, not the workload's name: each scale's two profiles are compared, and
+    # no run is compared with a run of the other scale (a tp_invariance row of tp=1 vs tp=1 on other tokens).
+    done = multirun(tmp_path, "profile=cpu_bf16,triton_cpu_bf16", "workload.hidden_scale=1,8",
+                    "profile.vocab_tile=1024", "layout.cells=[BN/packed]", "layout.needles=[]")  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = sweep_checks(tmp_path)
+    assert set(rows["judgment"]) == {"backend_parity"} and len(rows) == 4, rows[["judgment", "detail"]]
+    assert rows["workload_hash"].nunique() == 2 and rows["run_id"].nunique() == 2
+
+
 def test_negative_control_sweep_is_red(tmp_path):
     done = multirun(tmp_path, "profile=negative_control_cpu", *SMALL)
     assert done.returncode == 2, done.stdout + done.stderr
