@@ -2,8 +2,8 @@
 
 A sweep is judged against its own job list (Hydra's ``multirun.yaml``): every job must have a complete
 run (``rlsweep.manifest``), or the gate says INCOMPLETE, naming the job. ``tp_invariance`` compares every
-run with the smallest-tp run of the same profile, model, weights, workload and seed, cell by cell;
-``backend_parity`` compares the canonical cell of profiles that ran the same model, weights, workload,
+run, cell by cell, with the smallest-tp run of the same profile, model, weights, workload and seed that computed
+the cell; ``backend_parity`` compares the canonical cell of profiles that ran the same model, weights, workload,
 seed and tp. Reading from disk makes the gate work with any launcher.
 """
 
@@ -159,8 +159,8 @@ def run_gate(root: str | Path) -> GateResult:
     runs = [load_run(directory) for directory in complete]
     incomplete += changed_inputs(runs)
     rows: list[dict[str, Any]] = []
-    for lhs, rhs in tp_pairs(runs):
-        rows += verdict_rows(lhs, tp_invariance(lhs, rhs))
+    for lhs, earlier in tp_pairs(runs):
+        rows += verdict_rows(lhs, tp_invariance(lhs, earlier))
     for lhs, rhs in parity_pairs(runs):
         rows += verdict_rows(lhs, backend_parity(lhs, rhs))
     rows += declaration_check(runs, rows)
@@ -206,14 +206,14 @@ def baseline_order(tp: int, tp_mode: str, directory: str) -> tuple:
     return (tp, TP_MODE_ORDER.index(tp_mode), re.sub(r"\d+", lambda m: m.group().zfill(12), directory))
 
 
-def tp_pairs(runs: Sequence[RunTables]) -> Iterable[tuple[RunTables, RunTables]]:
-    """(run, baseline) for every run that is not its group's smallest tp (emulated first)."""
+def tp_pairs(runs: Sequence[RunTables]) -> Iterable[tuple[RunTables, list[RunTables]]]:
+    """(run, the runs before it in its group by ``baseline_order``) for every run but its group's first."""
     groups: dict[tuple, list[RunTables]] = {}
     for run in runs:
         groups.setdefault((run.run["profile"], *sweep_group(run)), []).append(run)
     for members in groups.values():
         members.sort(key=lambda r: baseline_order(r.run["tp"], r.run["tp_mode"], str(r.directory)))
-        yield from ((member, members[0]) for member in members[1:])
+        yield from ((member, members[:index]) for index, member in enumerate(members) if index)
 
 
 def parity_pairs(runs: Sequence[RunTables]) -> Iterable[tuple[RunTables, RunTables]]:
@@ -263,14 +263,24 @@ def compare_cell(judgment: str, lhs: RunTables, rhs: RunTables, cell: str, scope
     return verdicts
 
 
-def tp_invariance(lhs: RunTables, baseline: RunTables) -> list[Verdict]:
-    """Bitwise for cross_tp_bitwise profiles, else the contract's fixed_topology tolerance row."""
+def tp_invariance(lhs: RunTables, earlier: Sequence[RunTables]) -> list[Verdict]:
+    """Bitwise for cross_tp_bitwise profiles, else the contract's fixed_topology tolerance row.
+
+    Each cell of ``lhs`` is compared with the first of ``earlier`` (its group's runs before it) that computed the
+    cell, and its gradients with the first that also differentiated: a group's runs may differ in their layout or
+    in ``grad``, and the first run alone would leave the cells and gradients it lacks unjudged.
+    """
     scope = lhs.config["profile"]["determinism_scope"]
-    cells = [cell for cell in lhs.tokens["cell"].unique() if cell in set(baseline.tokens["cell"])]
-    verdicts = [v for cell in cells for v in compare_cell(Judgment.TP_INVARIANCE, lhs, baseline, cell, scope)]
-    if scope == kernels.DeterminismScope.CROSS_TP_BITWISE:
-        for judge in (gradient_tp_invariance, weight_gradient_tp_invariance):
-            verdicts += [v for cell in cells if (v := judge(lhs, baseline, cell)) is not None]
+    verdicts = []
+    for cell in lhs.tokens["cell"].unique():
+        computed = [run for run in earlier if cell in set(run.tokens["cell"])]
+        if not computed:
+            continue
+        verdicts += compare_cell(Judgment.TP_INVARIANCE, lhs, computed[0], cell, scope)
+        differentiated = [run for run in computed if run.config.get("grad")]
+        if scope == kernels.DeterminismScope.CROSS_TP_BITWISE and lhs.config.get("grad") and differentiated:
+            for judge in (gradient_tp_invariance, weight_gradient_tp_invariance):
+                verdicts += [v for v in [judge(lhs, differentiated[0], cell)] if v is not None]
     return apply_expected(verdicts, lhs.expected_red)
 
 

@@ -151,7 +151,7 @@ def test_the_gate_compares_each_tokens_d_hidden_and_each_cells_d_weight_bits_acr
     # One cell's d weight digest differs at tp=2: the gate's tp rows are red for that cell's d weight, and only there.
     tokens = other.tokens.copy()
     tokens.loc[tokens.cell == cells[-1], "grad_weight_bits"] = "0" * 64
-    red = [v for v in tp_invariance(replace(other, tokens=tokens), baseline) if not v.passed]
+    red = [v for v in tp_invariance(replace(other, tokens=tokens), [baseline]) if not v.passed]
     assert [(v.judgment, v.tensor, v.lhs_cell) for v in red] == [("gradient_invariance", "grad_weight", cells[-1])]
 
 

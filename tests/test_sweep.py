@@ -52,6 +52,25 @@ def test_runs_of_one_workload_name_are_grouped_by_their_inputs_bits(tmp_path):
     assert rows["workload_hash"].nunique() == 2 and rows["run_id"].nunique() == 2
 
 
+@pytest.mark.parametrize(
+    "varied", [("layout.cells=[BN/packed],[BN/packed,B1/full]",), ("grad=false,true", "layout.cells=[BN/packed]")]
+)
+def test_every_cell_and_gradient_at_tp_2_is_judged_against_a_tp_1_run_that_computed_it(tmp_path, varied):
+    # The group's first run (tp=1, job 0) lacks B1/full, or did not differentiate: the tp=2 run of the other value
+    # is compared with the tp=1 run that has what it computed, never left unjudged.
+    done = multirun(tmp_path, "profile=triton_cpu_bf16", "tp=1,2", *varied, "layout.needles=[]",
+                    "profile.vocab_tile=1024")  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    tokens = pd.read_parquet(tmp_path / TOKENS_TABLE, columns=["run_id", "tp", "cell", "grad_bits"])
+    rows = sweep_checks(tmp_path).query("tp == 2")
+    computed = tokens[tokens["tp"] == 2]
+    for judgment, ran in (("tp_invariance", computed), ("gradient_invariance", computed.dropna(subset="grad_bits"))):
+        judged = rows[rows["judgment"] == judgment][["run_id", "lhs_cell"]].drop_duplicates()
+        assert set(judged.itertuples(index=False)) == set(ran[["run_id", "cell"]].drop_duplicates().itertuples(
+            index=False)), (judgment, rows[["judgment", "lhs_cell", "detail"]])  # fmt: skip
+    assert (rows["detail"].str.contains(" vs triton_cpu_bf16 tp=1 ")).all()
+
+
 def test_negative_control_sweep_is_red(tmp_path):
     done = multirun(tmp_path, "profile=negative_control_cpu", *SMALL)
     assert done.returncode == 2, done.stdout + done.stderr
