@@ -30,7 +30,7 @@ class WeightSourceConfig:
 
     kind: str = "synthetic"  # synthetic | file
     seed: int = 0  # synthetic: the weight stream's seed
-    logit_std: float = 4.0  # synthetic: logits std for unit-std hidden (real LMs: 3-5; at most spec.MAX_LOGIT_STD)
+    logit_std: float = 4.0  # synthetic: logits std for unit-std hidden (real LMs: 3-5; in [1/64, 64], spec.py)
     path: str | None = None  # file: local safetensors file
     tensor: str = "lm_head.weight"  # file: HF name of the head
 
@@ -89,7 +89,7 @@ class WorkloadConfig:
     source: str = "synthetic"  # synthetic | replay
     seq_lens: list[int] = field(default_factory=list)
     prompt_lens: list[int] = field(default_factory=list)
-    hidden_scale: float = 1.0  # synthetic: std of the hidden states, at most spec.MAX_HIDDEN_SCALE (8: peaked)
+    hidden_scale: float = 1.0  # synthetic: std of the hidden states, in [1/64, 64] (spec.py; 8: peaked)
     path: str | None = None  # replay: hidden_states, target_ids, seq_lens, optional active_mask
 
 

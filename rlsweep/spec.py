@@ -32,9 +32,13 @@ MAX_TP = 256  # the most ranks one run emulates or launches
 POSITION_BITS = 24  # counter key of a token: sample_id << POSITION_BITS | position
 MAX_SEQ_LEN = 1 << POSITION_BITS  # a longer sample's positions would spill into the next sample's keys
 # Scales of the synthetic inputs: a synthetic head's logits have std logit_std * hidden_scale (real heads: 3-5),
-# so at both bounds 64 * 64 = 4096, still far inside bf16's range; 0 would make an all-zero tensor.
+# so at both upper bounds 64 * 64 = 4096, still far inside bf16's range. At both lower bounds the std is 2**-12,
+# where the negative control still fails every cell it should; 0, or 1e-300 (0 in bf16), makes an all-zero tensor,
+# and far below the bound every token's logp rounds to -log(V) whatever the kernel did: no verdict could fail.
 MAX_HIDDEN_SCALE = 64.0
 MAX_LOGIT_STD = 64.0
+MIN_HIDDEN_SCALE = 1 / 64
+MIN_LOGIT_STD = 1 / 64
 MAX_NEEDLE_ROWS = 1 << 24  # filler rows of one needle call: only rejects typos, the memory estimate decides the rest
 WEIGHT_SOURCES = ("synthetic", "file")
 WORKLOAD_SOURCES = ("synthetic", "replay")
@@ -65,10 +69,13 @@ def choice(where: str, value: Any, valid: Sequence[str]) -> None:
         raise ConfigError(f"{where}={value!r} is not one of {', '.join(valid)}")
 
 
-def check_scale(key: str, value: float, limit: float) -> None:
-    """A scale of synthetic values must be in (0, limit]."""
-    if not 0 < value <= limit:  # NaN fails both comparisons
-        raise ConfigError(f"{key}={value!r} must be in (0, {limit:g}]")
+def check_scale(key: str, value: float, low: float, high: float) -> None:
+    """A scale of synthetic values must be in [low, high]."""
+    if not low <= value <= high:  # NaN fails both comparisons
+        raise ConfigError(
+            f"{key}={value!r} must be in [{low:g}, {high:g}] (a smaller scale makes the logits so flat that every "
+            "kernel gives the same logp and no verdict can fail)"
+        )
 
 
 @dataclass(frozen=True)
@@ -85,7 +92,7 @@ class WeightSource:
         choice("model.weights.kind", self.kind, WEIGHT_SOURCES)
         check_seed(self.seed, "model.weights.seed")
         if self.kind == "synthetic":
-            check_scale("model.weights.logit_std", self.logit_std, MAX_LOGIT_STD)
+            check_scale("model.weights.logit_std", self.logit_std, MIN_LOGIT_STD, MAX_LOGIT_STD)
         if self.kind == "file" and not self.path:
             raise ConfigError("model.weights.kind=file needs model.weights.path (a local .safetensors file)")
 
@@ -220,7 +227,7 @@ class WorkloadSpec:
                 raise ConfigError("workload=replay needs workload.path (a local .safetensors file)")
             return
         self.check_lengths()
-        check_scale("workload.hidden_scale", self.hidden_scale, MAX_HIDDEN_SCALE)
+        check_scale("workload.hidden_scale", self.hidden_scale, MIN_HIDDEN_SCALE, MAX_HIDDEN_SCALE)
 
     def check_lengths(self) -> None:
         seq, prompt = list(self.seq_lens), list(self.prompt_lens)

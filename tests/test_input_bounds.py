@@ -27,6 +27,8 @@ from rlsweep.spec import (
     MAX_SEQ_LEN,
     MAX_VOCAB_SIZE,
     MAX_VOCAB_TILE,
+    MIN_HIDDEN_SCALE,
+    MIN_LOGIT_STD,
 )
 from rlsweep.synthetic import SEED_LIMIT, counter_bits
 from rlsweep.workload import Workload, WorkloadShape, workload_shape
@@ -218,20 +220,26 @@ def test_absurd_size_is_refused_with_its_bound(case):
         check_run(compose_run(*overrides))
 
 
-# Scales of the synthetic inputs: 0 makes an all-zero tensor, a negative one flips it; both bounded alike.
-SCALES = {"model.weights.logit_std": MAX_LOGIT_STD, "workload.hidden_scale": MAX_HIDDEN_SCALE}
+# Scales of the synthetic inputs: 0 (or 1e-300, 0 in bf16) makes an all-zero tensor, a negative one flips it, a tiny
+# one makes every logp -log(V) whatever the kernel did; both bounded alike.
+SCALES = {
+    "model.weights.logit_std": (MIN_LOGIT_STD, MAX_LOGIT_STD),
+    "workload.hidden_scale": (MIN_HIDDEN_SCALE, MAX_HIDDEN_SCALE),
+}
 
 
 @pytest.mark.parametrize("key", sorted(SCALES))
-@pytest.mark.parametrize("value", [0.0, -4.0, math.nan, math.inf, 2 * max(SCALES.values())])
+@pytest.mark.parametrize("value", [0.0, 1e-300, 1e-6, -4.0, math.nan, math.inf, 128.0])
 def test_a_scale_outside_its_bound_is_refused(key, value):
-    with pytest.raises(ConfigError, match=re.escape(f"{key}={value!r} must be in (0, {SCALES[key]:g}]")):
+    low, high = SCALES[key]
+    with pytest.raises(ConfigError, match=re.escape(f"{key}={value!r} must be in [{low:g}, {high:g}]")):
         check_run(compose_run("layout=smoke", f"{key}={value}"))
 
 
 @pytest.mark.parametrize("key", sorted(SCALES))
-def test_a_scale_at_its_bound_is_accepted(key):
-    check_run(compose_run("layout=smoke", f"{key}={SCALES[key]}"))
+@pytest.mark.parametrize("end", [0, 1])
+def test_a_scale_at_its_bound_is_accepted(key, end):
+    check_run(compose_run("layout=smoke", f"{key}={SCALES[key][end]}"))
 
 
 # Inside every bound, but far above any machine: 2 TiB of bf16 weight alone.
