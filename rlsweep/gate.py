@@ -217,15 +217,14 @@ def tp_pairs(runs: Sequence[RunTables]) -> Iterable[tuple[RunTables, list[RunTab
 
 
 def parity_pairs(runs: Sequence[RunTables]) -> Iterable[tuple[RunTables, RunTables]]:
-    """Every pair of distinct profiles that ran the same tokens at the same tp and tp_mode."""
-    groups: dict[tuple, dict[str, RunTables]] = {}
+    """Every pair of runs of distinct profiles that ran the same tokens at the same tp and tp_mode: a profile may have
+    several such runs (a sweep over ``profile.vocab_tile`` or ``layout.cells``), and each is paired."""
+    groups: dict[tuple, list[RunTables]] = {}
     for run in runs:
-        groups.setdefault((*sweep_group(run), run.run["tp"], run.run["tp_mode"]), {}).setdefault(
-            run.run["profile"], run
-        )
-    for by_profile in groups.values():
-        for lhs_name, rhs_name in combinations(sorted(by_profile), 2):
-            yield by_profile[lhs_name], by_profile[rhs_name]
+        groups.setdefault((*sweep_group(run), run.run["tp"], run.run["tp_mode"]), []).append(run)
+    for members in groups.values():
+        members.sort(key=lambda r: (r.run["profile"], baseline_order(r.run["tp"], r.run["tp_mode"], str(r.directory))))
+        yield from ((lhs, rhs) for lhs, rhs in combinations(members, 2) if lhs.run["profile"] != rhs.run["profile"])
 
 
 def aligned(lhs: RunTables, rhs: RunTables, cell: str) -> pd.DataFrame:

@@ -71,6 +71,16 @@ def test_every_cell_and_gradient_at_tp_2_is_judged_against_a_tp_1_run_that_compu
     assert (rows["detail"].str.contains(" vs triton_cpu_bf16 tp=1 ")).all()
 
 
+def test_every_run_of_a_profile_is_paired_with_every_run_of_another(tmp_path):
+    # Two runs per profile at one tp (vocab_tile 256 and 1024): each of the four cross-profile pairs is judged.
+    done = multirun(tmp_path, "profile=cpu_bf16,triton_cpu_bf16", "profile.vocab_tile=256,1024",
+                    "layout.cells=[BN/packed]", "layout.needles=[]")  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = sweep_checks(tmp_path).query("judgment == 'backend_parity'")
+    pairs = set(zip(rows["run_id"], rows["detail"].str.extract(r"\((\w{16})\);")[0], strict=True))
+    assert len(rows) == 8 and len(pairs) == 4, rows[["run_id", "detail"]]
+
+
 def test_negative_control_sweep_is_red(tmp_path):
     done = multirun(tmp_path, "profile=negative_control_cpu", *SMALL)
     assert done.returncode == 2, done.stdout + done.stderr
