@@ -9,6 +9,7 @@ seed and tp. Reading from disk makes the gate work with any launcher.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -135,7 +136,7 @@ def changed_inputs(runs: Sequence[RunTables]) -> list[str]:
     for (sweep, name, path), by_hash in contents.items():
         if len(by_hash) > 1:
             seen = "; ".join(
-                f"{digest[:12]} in {', '.join(str(run.directory.relative_to(sweep)) for run in members)}"
+                f"{digest[:12]} in {', '.join(os.path.relpath(run.directory, sweep) for run in members)}"
                 for digest, members in by_hash.items()
             )
             lines.append(
@@ -143,6 +144,27 @@ def changed_inputs(runs: Sequence[RunTables]) -> list[str]:
                 "so they computed on different inputs and cannot be judged as one sweep: keep the file unchanged "
                 "and run the sweep again"
             )
+    return lines
+
+
+def without_baseline(runs: Sequence[RunTables]) -> list[str]:
+    """One line per run of a sweep that no run of its profile at the profile's smallest tp in the sweep computed the
+    same inputs as (``sweep_group``): it would go without its tp verdicts, so the sweep is incomplete. Inputs do not
+    depend on tp, so this means they changed during the sweep (``changed_inputs`` names a file that did)."""
+    by_profile: dict[tuple[Path, str], list[RunTables]] = {}
+    for run in runs:
+        if (sweep := enclosing_sweep(run.directory)) is not None:
+            by_profile.setdefault((sweep, run.run["profile"]), []).append(run)
+    lines = []
+    for (sweep, profile), members in by_profile.items():
+        smallest = min(run.run["tp"] for run in members)
+        baselines = {sweep_group(run) for run in members if run.run["tp"] == smallest}
+        lines += [
+            f"{run.directory}: {run.label} computed other inputs ({', '.join(COMPARABLE_COLUMNS)}) than every run of "
+            f"{profile} at tp={smallest} in the sweep {sweep}, so it has no tp baseline and no tp verdicts"
+            for run in members
+            if sweep_group(run) not in baselines
+        ]
     return lines
 
 
@@ -157,7 +179,7 @@ def run_gate(root: str | Path) -> GateResult:
             f"no rlsweep run ({MANIFEST_FILE}, {CHECKS_TABLE}/, {TOKENS_TABLE}/) in {str(root)!r}"
         )
     runs = [load_run(directory) for directory in complete]
-    incomplete += changed_inputs(runs)
+    incomplete += changed_inputs(runs) + without_baseline(runs)
     rows: list[dict[str, Any]] = []
     for lhs, earlier in tp_pairs(runs):
         rows += verdict_rows(lhs, tp_invariance(lhs, earlier))

@@ -10,6 +10,7 @@ import json
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -23,7 +24,7 @@ from safetensors.torch import save_file
 from rlsweep.check import main as check_main
 from rlsweep.discovery import JOBS_FILE, MULTIRUN_FILE, write_job_list
 from rlsweep.exitcodes import ExitCode, combine
-from rlsweep.gate import SUMMARY_FILE, SWEEP_CHECKS_TABLE
+from rlsweep.gate import SUMMARY_FILE, SWEEP_CHECKS_TABLE, run_gate, without_baseline
 from rlsweep.locks import locked
 from rlsweep.manifest import HYDRA_CONFIG, MANIFEST_FILE
 from rlsweep.report import main as report_main
@@ -325,6 +326,19 @@ def test_a_weights_file_changed_during_a_sweep_is_incomplete_not_green(tmp_path)
     done = with_fault(fault, "rlsweep", f"hydra.sweep.dir={sweep_dir}", *SMALL, *head, "--multirun")
     assert_not_green(done, ExitCode.INCOMPLETE)
     assert f"read the weights file {str(path)!r} with 2 different contents" in done.stdout
+    assert "tp=2 (emulated) computed other inputs" in done.stdout  # and the run left without its tp verdicts
+    again = subprocess.run([sys.executable, "-m", "rlsweep.check", "sweep"], capture_output=True, text=True,
+                           cwd=tmp_path, timeout=300)  # fmt: skip
+    assert_not_green(again, ExitCode.INCOMPLETE)
+    assert "with 2 different contents (" in again.stdout
+
+
+def test_a_run_whose_inputs_no_smaller_tp_run_computed_is_named_as_unjudged(sweep):
+    runs = sorted(run_gate(sweep).runs, key=lambda run: run.run["tp"])
+    assert without_baseline(runs) == []
+    moved = replace(runs[1], run={**runs[1].run, "workload_hash": "other"})
+    (line,) = without_baseline([runs[0], moved])
+    assert line.startswith(f"{moved.directory}: cpu_bf16 tp=2 (emulated) computed other inputs") and "tp=1" in line
 
 
 def test_a_full_disk_is_one_line_and_leaves_no_table(tmp_path):
