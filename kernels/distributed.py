@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 
 from kernels.backend import LogprobBackend, ShardPartials, get_backend
 from kernels.bitwise import bit_view
-from kernels.errors import ShapeMismatchError, TPConfigError
+from kernels.errors import RankGroupError, ShapeMismatchError, TPConfigError
 from kernels.grad import Upstream, rank_gradients
 from kernels.ranks import LogprobResult, RankOutput, finish, rank_forward
 from kernels.sharding import ShardingSpec
@@ -75,6 +75,7 @@ class RankGroup:
         ]
         for process in self._ranks:
             process.start()
+        self._collect("starting")  # every rank has joined the process group, or the group is closed and this raises
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> LogprobResult:
         """One distributed call; the weight is sent only when it is not the one the ranks hold."""
@@ -120,11 +121,13 @@ class RankGroup:
         for requests in self._requests:
             requests.put(message)
         self.weight_sent = (weakref.ref(weight), stamp)
-        return self._collect()
+        return self._collect(f"serving a {kind} call")
 
-    def _collect(self) -> list:
-        """Every rank's reply, in rank order; a rank that failed or died ends the group and raises."""
+    def _collect(self, doing: str) -> list:
+        """Every rank's reply, in rank order; a rank that failed or died ends the group and raises RankGroupError,
+        one line naming the rank and its error, with the rank's traceback as a note."""
         replies: dict[int, object] = {}
+        where = f"(backend={self.key[0]}, tp={self.sharding.world_size}) while {doing}"
         while len(replies) < len(self._ranks):
             try:
                 status, rank, payload = self._replies.get(timeout=POLL_SECONDS)
@@ -132,14 +135,14 @@ class RankGroup:
                 dead = [r for r in range(len(self._ranks)) if r not in replies and not self._ranks[r].is_alive()]
                 if dead:
                     self.close()
-                    raise RuntimeError(f"distributed rank(s) {dead} died (exit codes "
-                                       f"{[self._ranks[r].exitcode for r in dead]})") from None  # fmt: skip
+                    exits = [self._ranks[r].exitcode for r in dead]
+                    raise RankGroupError(f"distributed rank(s) {dead} {where}: died (exit codes {exits})") from None
                 continue
             if status == "error":
                 self.close()
-                raise RuntimeError(
-                    f"distributed rank {rank} failed (backend={self.key[0]}, tp={self.sharding.world_size}):\n{payload}"
-                )
+                err = RankGroupError(f"distributed rank {rank} {where}: {payload.strip().splitlines()[-1]}")
+                err.add_note(f"rank {rank}'s traceback:\n{payload}")
+                raise err
             replies[rank] = payload
         return [replies[rank] for rank in range(len(self._ranks))]
 
@@ -203,40 +206,47 @@ def matching_group(backend: str, sharding: ShardingSpec, device_type: str) -> It
 
 
 def rank_loop(rank: int, split: ShardingSpec, backend: str, device_type: str, workdir: str, requests, replies) -> None:
-    """A rank process: join the group, then serve calls until told to stop."""
-    sharding = split.for_rank(rank)
-    on_cuda = device_type == "cuda"
-    if on_cuda:
-        torch.cuda.set_device(rank)
-    dist.init_process_group(
-        backend="nccl" if on_cuda else "gloo",
-        init_method=Path(workdir, "rendezvous").as_uri(),
-        rank=rank,
-        world_size=sharding.world_size,
-    )
-    device = torch.device("cuda", rank) if on_cuda else torch.device("cpu")
-    impl, weight = get_backend(backend), None
+    """A rank process: join the group and say so, then serve calls until told to stop. Any failure, joining
+    included, goes back to the caller as the rank's traceback, and the rank ends; the caller then ends the group."""
     try:
-        while (request := requests.get()) != STOP:
-            kind, hidden, targets, new_weight, *extra = request
-            try:
-                if new_weight is not None:
-                    weight = new_weight.to(device)
-                hidden, targets = hidden.to(device), targets.to(device)
-                if kind == BACKWARD:
-                    reply = rank_backward(impl, hidden, weight, targets, sharding, *(on(device, e) for e in extra))
-                else:
-                    mine = rank_forward(impl, hidden, weight, targets, sharding)
-                    ranks = [mine] if mine.partials is None else all_gather_partials(mine)
-                    result = finish(impl, targets, sharding, ranks, tp_mode="distributed")
-                    check_replicas_agree(result)
-                    reply = to_cpu(result) if rank == 0 else None
-            except Exception:  # any failure goes back to the caller, which ends the group
-                replies.put(("error", rank, traceback.format_exc()))
-                return
-            replies.put(("ok", rank, reply))
+        sharding = split.for_rank(rank)
+        on_cuda = device_type == "cuda"
+        if on_cuda:
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            backend="nccl" if on_cuda else "gloo",
+            init_method=Path(workdir, "rendezvous").as_uri(),
+            rank=rank,
+            world_size=sharding.world_size,
+        )
+        impl = get_backend(backend)
+        replies.put(("ok", rank, None))  # joined: RankGroup waits for every rank's before its first call
+        device = torch.device("cuda", rank) if on_cuda else torch.device("cpu")
+        serve(rank, impl, sharding, device, requests, replies)
+    except Exception:
+        replies.put(("error", rank, traceback.format_exc()))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def serve(rank: int, impl: LogprobBackend, sharding: ShardingSpec, device: torch.device, requests, replies) -> None:
+    """Answer forward and backward requests until told to stop; the weight is kept from the call that sent it."""
+    weight = None
+    while (request := requests.get()) != STOP:
+        kind, hidden, targets, new_weight, *extra = request
+        if new_weight is not None:
+            weight = new_weight.to(device)
+        hidden, targets = hidden.to(device), targets.to(device)
+        if kind == BACKWARD:
+            reply = rank_backward(impl, hidden, weight, targets, sharding, *(on(device, e) for e in extra))
+        else:
+            mine = rank_forward(impl, hidden, weight, targets, sharding)
+            ranks = [mine] if mine.partials is None else all_gather_partials(mine)
+            result = finish(impl, targets, sharding, ranks, tp_mode="distributed")
+            check_replicas_agree(result)
+            reply = to_cpu(result) if rank == 0 else None
+        replies.put(("ok", rank, reply))
 
 
 def rank_backward(

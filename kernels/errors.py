@@ -47,3 +47,8 @@ class NonFiniteOutputError(KernelInputError):
 
 class BackendUnavailableError(RuntimeError):
     """The requested backend cannot run here (missing device, module or interpreter)."""
+
+
+class RankGroupError(RuntimeError):
+    """The distributed ranks (``tp_mode="distributed"``) could not serve a call: a rank could not start, raised or
+    died. The group is closed; the message names the rank and its error, and the rank's traceback is a note."""
