@@ -17,6 +17,7 @@ weight rows.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import queue
 import tempfile
 import traceback
@@ -60,7 +61,9 @@ class RankGroup:
                 f"tp_mode=distributed with tp={tp} needs {tp} GPUs (one per rank); "
                 f"this machine has {torch.cuda.device_count()}"
             )
-        get_backend(backend)  # an unknown id fails here, before any process starts
+        # An unknown id fails here, before any process starts; a rank imports the module that registered the
+        # backend before it looks the id up, so a backend of a user's own module is found there too.
+        module = type(get_backend(backend)).__module__
         self.sharding = sharding.for_rank(0)  # every rank derives its own view from the same split
         self.key = (backend, self.sharding, device_type)
         self.weight_sent: tuple[weakref.ref, tuple | None] | None = None  # the weight the ranks hold, and its stamp
@@ -68,7 +71,7 @@ class RankGroup:
         context = mp.get_context("spawn")
         self._requests = [context.Queue() for _ in range(tp)]
         self._replies = context.Queue()
-        args = (self.sharding, backend, device_type, self._workdir.name)
+        args = (self.sharding, backend, module, device_type, self._workdir.name)
         self._ranks = [
             context.Process(target=rank_loop, args=(rank, *args, self._requests[rank], self._replies), daemon=True)
             for rank in range(tp)
@@ -205,10 +208,14 @@ def matching_group(backend: str, sharding: ShardingSpec, device_type: str) -> It
         yield one_shot
 
 
-def rank_loop(rank: int, split: ShardingSpec, backend: str, device_type: str, workdir: str, requests, replies) -> None:
-    """A rank process: join the group and say so, then serve calls until told to stop. Any failure, joining
-    included, goes back to the caller as the rank's traceback, and the rank ends; the caller then ends the group."""
+def rank_loop(
+    rank: int, split: ShardingSpec, backend: str, module: str, device_type: str, workdir: str, requests, replies
+) -> None:
+    """A rank process: import ``module`` (which registers ``backend``), join the group and say so, then serve calls
+    until told to stop. Any failure, joining included, goes back to the caller as the rank's traceback, and the rank
+    ends; the caller then ends the group."""
     try:
+        importlib.import_module(module)
         sharding = split.for_rank(rank)
         on_cuda = device_type == "cuda"
         if on_cuda:

@@ -7,6 +7,10 @@ the command-line runs have timeouts, so none can hang.
 
 from __future__ import annotations
 
+import functools
+import importlib
+import sys
+
 import pytest
 import torch
 from rlsweep_fixtures import run_rlsweep
@@ -37,3 +41,22 @@ def test_a_run_whose_ranks_cannot_start_is_exit_1_with_one_line(tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stderr.strip().splitlines() == [done.stderr.strip()], done.stderr  # one line, no rank traceback
     assert "rlsweep: error: RankGroupError: distributed rank" in done.stderr and "no-nic0" in done.stderr
+
+
+@pytest.fixture
+def rank_faults():
+    """The backend of tests/rank_faults.py, registered in this process for one test (its ranks import it)."""
+    module = importlib.import_module("rank_faults")
+    yield module
+    kernels.unregister_backend("rank_faults")
+    sys.modules.pop("rank_faults")
+
+
+def test_a_backend_registered_by_a_module_of_its_own_runs_on_distributed_ranks(rank_faults):
+    """Each rank imports the module that registered the backend; a user's backend (docs/extending.md) came back
+    from every rank as "unknown backend"."""
+    call = functools.partial(kernels.lm_head_logprob, *inputs(), backend="rank_faults", tp=2, vocab_tile=TILE)
+    emulated, distributed = call(tp_mode="emulated"), call(tp_mode="distributed")
+    assert distributed.provenance.nodes["matmul"].backend == "rank_faults"
+    for name in ("logp", "lse", "owner_rank"):
+        assert torch.equal(getattr(emulated, name), getattr(distributed, name)), name
