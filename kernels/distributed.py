@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import queue
+import shutil
+import signal
 import tempfile
 import traceback
 import weakref
@@ -40,7 +42,7 @@ from kernels.sharding import ShardingSpec
 from kernels.validation import version_stamp
 
 DEVICE_TYPES = ("cpu", "cuda")  # where rank processes compute: gloo on the CPU, NCCL on one GPU per rank
-POLL_SECONDS = 1.0  # how often the caller checks that every rank process is still alive
+POLL_SECONDS = 1.0  # how often the caller checks that its ranks are alive, and an idle rank its caller
 STOP = "stop"
 FORWARD, BACKWARD = "forward", "backward"  # the two requests a rank serves
 
@@ -213,7 +215,9 @@ def rank_loop(
 ) -> None:
     """A rank process: import ``module`` (which registers ``backend``), join the group and say so, then serve calls
     until told to stop. Any failure, joining included, goes back to the caller as the rank's traceback, and the rank
-    ends; the caller then ends the group."""
+    ends; the caller then ends the group. Ctrl-C is the caller's to handle (it stops its ranks), and a rank whose
+    caller is gone (killed, so it could not stop them) stops too and removes the group's rendezvous dir."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches every process of the foreground group
     try:
         importlib.import_module(module)
         sharding = split.for_rank(rank)
@@ -235,12 +239,24 @@ def rank_loop(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        if not mp.parent_process().is_alive():
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def next_request(requests):
+    """The caller's next request, or STOP once the caller is gone."""
+    while True:
+        try:
+            return requests.get(timeout=POLL_SECONDS)
+        except queue.Empty:
+            if not mp.parent_process().is_alive():
+                return STOP
 
 
 def serve(rank: int, impl: LogprobBackend, sharding: ShardingSpec, device: torch.device, requests, replies) -> None:
     """Answer forward and backward requests until told to stop; the weight is kept from the call that sent it."""
     weight = None
-    while (request := requests.get()) != STOP:
+    while (request := next_request(requests)) != STOP:
         kind, hidden, targets, new_weight, *extra = request
         if new_weight is not None:
             weight = new_weight.to(device)

@@ -7,9 +7,15 @@ the command-line runs have timeouts, so none can hang.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import os
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,3 +66,70 @@ def test_a_backend_registered_by_a_module_of_its_own_runs_on_distributed_ranks(r
     assert distributed.provenance.nodes["matmul"].backend == "rank_faults"
     for name in ("logp", "lse", "owner_rank"):
         assert torch.equal(getattr(emulated, name), getattr(distributed, name)), name
+
+
+# A caller that opens a group, says which processes and rendezvous dir it holds, and waits to be stopped.
+CALLER = f"""
+import sys, time
+import kernels
+with kernels.distributed_ranks("aten", kernels.ShardingSpec.even({VOCAB}, {TILE}, 2), "cpu") as group:
+    print(*[rank.pid for rank in group._ranks], group._workdir.name, flush=True)
+    try:
+        time.sleep(60)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+print("exit codes", *[rank.exitcode for rank in group._ranks], flush=True)
+"""
+
+
+def start_caller() -> tuple[subprocess.Popen, list[int], Path]:
+    """CALLER in a session of its own with Ctrl-C's default action, as a terminal's foreground job has it."""
+    caller = subprocess.Popen(
+        [sys.executable, "-c", CALLER],
+        cwd=Path(__file__).parent.parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    *pids, workdir = caller.stdout.readline().split()
+    return caller, [int(pid) for pid in pids], Path(workdir)
+
+
+def gone(pid: int) -> bool:
+    """No such process, or one that has exited and is waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX"
+    except FileNotFoundError:
+        return True
+
+
+def test_ctrl_c_stops_the_ranks_through_their_caller_without_a_traceback_from_them():
+    """Ctrl-C reaches every process of the foreground group: each rank printed a KeyboardInterrupt traceback (and
+    `python -m rlsweep` more lines than its one "interrupted")."""
+    caller, *_ = start_caller()
+    try:
+        os.killpg(caller.pid, signal.SIGINT)
+        out, err = caller.communicate(timeout=60)
+    finally:
+        caller.kill()
+    assert err == "" and out.split("\n")[:2] == ["interrupted", "exit codes 0 0"], out + err
+
+
+def test_ranks_whose_caller_was_killed_stop_and_remove_their_rendezvous_dir():
+    """A caller killed (SIGKILL, or SIGTERM's default) cannot stop its ranks: they lived on, orphaned, for ever."""
+    caller, pids, workdir = start_caller()
+    try:
+        caller.kill()
+        caller.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [pid for pid in pids if not gone(pid)]
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                if not gone(pid):
+                    os.kill(pid, signal.SIGKILL)
+    assert not left and not workdir.exists(), (left, workdir)
