@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import multiprocessing.connection
 import queue
 import shutil
 import signal
 import tempfile
+import time
 import traceback
 import weakref
 from collections.abc import Iterator
@@ -43,6 +45,8 @@ from kernels.validation import version_stamp
 
 DEVICE_TYPES = ("cpu", "cuda")  # where rank processes compute: gloo on the CPU, NCCL on one GPU per rank
 POLL_SECONDS = 1.0  # how often the caller checks that its ranks are alive, and an idle rank its caller
+DEATH_GRACE_SECONDS = 0.5  # how long a rank's error waits for a peer's death that may have caused it
+STOP_SECONDS = 10.0  # how long closing a group waits for its ranks to stop before it kills them
 STOP = "stop"
 FORWARD, BACKWARD = "forward", "backward"  # the two requests a rank serves
 
@@ -69,6 +73,7 @@ class RankGroup:
         self.sharding = sharding.for_rank(0)  # every rank derives its own view from the same split
         self.key = (backend, self.sharding, device_type)
         self.weight_sent: tuple[weakref.ref, tuple | None] | None = None  # the weight the ranks hold, and its stamp
+        self.closed: str | None = None  # why the group serves no more calls, once it does not
         self._workdir = tempfile.TemporaryDirectory(prefix="rlsweep-tp-")
         context = mp.get_context("spawn")
         self._requests = [context.Queue() for _ in range(tp)]
@@ -78,9 +83,10 @@ class RankGroup:
             context.Process(target=rank_loop, args=(rank, *args, self._requests[rank], self._replies), daemon=True)
             for rank in range(tp)
         ]
-        for process in self._ranks:
-            process.start()
-        self._collect("starting")  # every rank has joined the process group, or the group is closed and this raises
+        with self._closed_on_failure():
+            for process in self._ranks:
+                process.start()
+            self._collect("starting")  # every rank has joined the process group
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> LogprobResult:
         """One distributed call; the weight is sent only when it is not the one the ranks hold."""
@@ -118,48 +124,94 @@ class RankGroup:
             )
         # The same tensor object, unchanged since it was sent: the ranks already hold this weight. A new tensor
         # that reuses a freed one's memory is another object, so it is sent.
+        if self.closed is not None:
+            raise RankGroupError(f"this rank group {self.described} serves no more calls: {self.closed}")
         stamp = version_stamp(weight)
         held = self.weight_sent is not None and self.weight_sent[0]() is weight and self.weight_sent[1] == stamp
         # Copies: the queue moves a CPU tensor's storage into shared memory, which must not be the caller's.
         new_weight = None if held and stamp is not None else weight.detach().to("cpu", copy=True)
         message = (kind, hidden.detach().to("cpu", copy=True), targets.to("cpu", copy=True), new_weight, *extra)
-        for requests in self._requests:
-            requests.put(message)
-        self.weight_sent = (weakref.ref(weight), stamp)
-        return self._collect(f"serving a {kind} call")
+        with self._closed_on_failure():
+            for requests in self._requests:
+                requests.put(message)
+            self.weight_sent = (weakref.ref(weight), stamp)
+            return self._collect(f"serving a {kind} call")
+
+    @property
+    def described(self) -> str:
+        return f"(backend={self.key[0]}, tp={self.sharding.world_size})"
+
+    @contextlib.contextmanager
+    def _closed_on_failure(self) -> Iterator[None]:
+        """Anything that ends a call early closes the group: a rank's failure, but also the caller's own exception
+        or interrupt, after which the ranks are mid-call and their replies would answer the next call."""
+        try:
+            yield
+        except BaseException as err:
+            self.close(str(err).splitlines()[0] if isinstance(err, RankGroupError) else f"a call ended by {err!r}")
+            raise
 
     def _collect(self, doing: str) -> list:
-        """Every rank's reply, in rank order; a rank that failed or died ends the group and raises RankGroupError,
-        one line naming the rank and its error, with the rank's traceback as a note."""
+        """Every rank's reply, in rank order. A rank that failed or died raises RankGroupError: one line naming the
+        rank and its error, with the rank's traceback as a note. A rank that fails in a collective when another
+        rank died is not the cause: the dead rank is named."""
         replies: dict[int, object] = {}
-        where = f"(backend={self.key[0]}, tp={self.sharding.world_size}) while {doing}"
+        while_ = f"while {doing} {self.described}"
         while len(replies) < len(self._ranks):
             try:
                 status, rank, payload = self._replies.get(timeout=POLL_SECONDS)
             except queue.Empty:
-                dead = [r for r in range(len(self._ranks)) if r not in replies and not self._ranks[r].is_alive()]
-                if dead:
-                    self.close()
-                    exits = [self._ranks[r].exitcode for r in dead]
-                    raise RankGroupError(f"distributed rank(s) {dead} {where}: died (exit codes {exits})") from None
+                if dead := self._dead(replies):
+                    raise RankGroupError(f"distributed {dead} {while_}") from None
                 continue
             if status == "error":
-                self.close()
-                err = RankGroupError(f"distributed rank {rank} {where}: {payload.strip().splitlines()[-1]}")
+                # A rank that raised tells the caller before its peers can notice; one that died tells nothing.
+                multiprocessing.connection.wait([self._ranks[r].sentinel for r in range(len(self._ranks)) if r != rank],
+                                                timeout=DEATH_GRACE_SECONDS)  # fmt: skip
+                dead = self._dead(replies, killed_only=True)
+                err = RankGroupError(
+                    f"distributed {dead} {while_}" if dead
+                    else f"distributed rank {rank} failed {while_}: {payload.strip().splitlines()[-1]}"
+                )  # fmt: skip
                 err.add_note(f"rank {rank}'s traceback:\n{payload}")
                 raise err
             replies[rank] = payload
         return [replies[rank] for rank in range(len(self._ranks))]
 
-    def close(self) -> None:
+    def _dead(self, replied, *, killed_only: bool = False) -> str:
+        """The ranks that ended without a reply, and how ("" if none); ``killed_only``: those a signal or a
+        crash ended, not a rank that returned after telling the caller its error."""
+        ended = {}
+        for r, process in enumerate(self._ranks):
+            if r not in replied and multiprocessing.connection.wait([process.sentinel], timeout=0):
+                process.join()  # its sentinel closes as it exits, a moment before its exit code can be read
+                if process.exitcode != 0 or not killed_only:
+                    ended[r] = process.exitcode
+        return ", ".join(f"rank {r} died ({exit_status(code)})" for r, code in ended.items())
+
+    def close(self, reason: str = "its block has ended") -> None:
+        """Stop every rank (one not stopped after STOP_SECONDS is killed), remove the rendezvous dir, and refuse
+        calls from now on, naming ``reason``."""
+        if self.closed is not None:
+            return
+        self.closed = reason
         for process, requests in zip(self._ranks, self._requests, strict=True):
             if process.is_alive():
                 requests.put(STOP)
+        deadline = time.monotonic() + STOP_SECONDS
         for process in self._ranks:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.terminate()
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+        for process in self._ranks:
+            if process.is_alive():  # stuck in a kernel or a collective
+                process.kill()
+                process.join()
         self._workdir.cleanup()
+
+
+def exit_status(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
 
 
 ACTIVE_GROUP: ContextVar[RankGroup | None] = ContextVar("ACTIVE_GROUP", default=None)
@@ -236,6 +288,8 @@ def rank_loop(
         serve(rank, impl, sharding, device, requests, replies)
     except Exception:
         replies.put(("error", rank, traceback.format_exc()))
+        replies.close()
+        replies.join_thread()  # sent before this rank leaves the group, which its peers may fail on
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -51,4 +51,5 @@ class BackendUnavailableError(RuntimeError):
 
 class RankGroupError(RuntimeError):
     """The distributed ranks (``tp_mode="distributed"``) could not serve a call: a rank could not start, raised or
-    died. The group is closed; the message names the rank and its error, and the rank's traceback is a note."""
+    died, or an earlier call closed the group. The message names the rank and its error (or why the group closed),
+    and the rank's traceback is a note."""

@@ -22,6 +22,7 @@ import torch
 from rlsweep_fixtures import run_rlsweep
 
 import kernels
+from kernels.distributed import RankGroup
 
 VOCAB, TILE = 100, 16
 SPLIT = kernels.ShardingSpec.even(VOCAB, TILE, 2)
@@ -37,7 +38,9 @@ def test_ranks_that_cannot_join_their_group_raise_one_typed_line_when_the_group_
     """A rendezvous the ranks cannot make (here: gloo told to use an interface that does not exist) raised the
     ranks' own tracebacks on stderr and, at the first call, only "died (exit codes [1, 1])"."""
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "no-such-nic0")  # the rank processes inherit the environment
-    with pytest.raises(kernels.RankGroupError, match=r"rank \d \(backend=aten, tp=2\) while starting: .*no-such-nic0"):
+    with pytest.raises(
+        kernels.RankGroupError, match=r"rank \d failed while starting \(backend=aten, tp=2\): .*no-such-nic0"
+    ):
         with kernels.distributed_ranks("aten", SPLIT, "cpu"):
             pass
 
@@ -66,6 +69,57 @@ def test_a_backend_registered_by_a_module_of_its_own_runs_on_distributed_ranks(r
     assert distributed.provenance.nodes["matmul"].backend == "rank_faults"
     for name in ("logp", "lse", "owner_rank"):
         assert torch.equal(getattr(emulated, name), getattr(distributed, name)), name
+
+
+def faulty_call(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> kernels.LogprobResult:
+    return kernels.lm_head_logprob(
+        hidden, weight, targets, backend="rank_faults", tp=2, tp_mode="distributed", vocab_tile=TILE
+    )
+
+
+@pytest.mark.parametrize(
+    ("fault", "error"),
+    [
+        ("RAISE", r"distributed rank 1 failed while serving a forward call \(backend=rank_faults, tp=2\): "
+                  r"RuntimeError: rank_faults: rank 1 raises as asked"),
+        # Rank 0 then fails in its all-gather ("Connection closed by peer"): it was named, not the rank that died.
+        ("DIE", r"distributed rank 1 died \(killed by SIGKILL\) while serving a forward call"),
+    ],
+)  # fmt: skip
+def test_a_rank_that_raises_or_dies_is_named_and_its_group_refuses_every_later_call(rank_faults, fault, error):
+    """A later call on a closed group waited a second and reported every rank as dead (exit codes [0, -9])."""
+    hidden, weight, targets = inputs()
+    with kernels.distributed_ranks("rank_faults", SPLIT, "cpu") as group:
+        faulty_call(hidden, weight, targets)
+        broken = hidden.clone()
+        broken[0, 0] = getattr(rank_faults, fault)
+        with pytest.raises(kernels.RankGroupError, match=error) as failed:
+            faulty_call(broken, weight, targets)
+        assert "Traceback" in "".join(failed.value.__notes__) and not any(rank.is_alive() for rank in group._ranks)
+        with pytest.raises(kernels.RankGroupError, match=r"serves no more calls: distributed rank 1 "):
+            faulty_call(hidden, weight, targets)
+
+
+def test_a_call_the_caller_interrupts_closes_the_group_instead_of_answering_the_next_call(monkeypatch):
+    """Interrupted between sending a call and reading its replies (Ctrl-C caught in the block, a signal-based
+    deadline), the group stayed open and the next call returned the interrupted call's results."""
+    first, weight, targets = inputs(0)
+    second = inputs(1)[0]
+    with kernels.distributed_ranks("aten", SPLIT, "cpu"):
+        with monkeypatch.context() as patch:
+            patch.setattr(RankGroup, "_collect", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                kernels.lm_head_logprob(
+                    first, weight, targets, backend="aten", tp=2, tp_mode="distributed", vocab_tile=TILE
+                )
+        with pytest.raises(kernels.RankGroupError, match=r"serves no more calls: a call ended by KeyboardInterrupt"):
+            kernels.lm_head_logprob(
+                second, weight, targets, backend="aten", tp=2, tp_mode="distributed", vocab_tile=TILE
+            )
+
+
+def interrupted(group: RankGroup, doing: str) -> list:
+    raise KeyboardInterrupt
 
 
 # A caller that opens a group, says which processes and rendezvous dir it holds, and waits to be stopped.
