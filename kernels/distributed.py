@@ -29,6 +29,7 @@ import weakref
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import replace
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import torch
@@ -132,8 +133,15 @@ class RankGroup:
         new_weight = None if held and stamp is not None else weight.detach().to("cpu", copy=True)
         message = (kind, hidden.detach().to("cpu", copy=True), targets.to("cpu", copy=True), new_weight, *extra)
         with self._closed_on_failure():
-            for requests in self._requests:
-                requests.put(message)
+            try:  # every rank's copy before any is sent: a rank sent a call its peers never get would wait for them
+                sent = [pickled(message) for _ in self._requests]
+            except Exception as err:
+                raise RankGroupError(
+                    f"could not send a {kind} call to the distributed ranks {self.described}: {err} (tensors travel "
+                    "to the rank processes in shared memory, /dev/shm)"
+                ) from err
+            for requests, request in zip(self._requests, sent, strict=True):
+                requests.put(request)
             self.weight_sent = (weakref.ref(weight), stamp)
             return self._collect(f"serving a {kind} call")
 
@@ -159,7 +167,7 @@ class RankGroup:
         while_ = f"while {doing} {self.described}"
         while len(replies) < len(self._ranks):
             try:
-                status, rank, payload = self._replies.get(timeout=POLL_SECONDS)
+                status, rank, payload = ForkingPickler.loads(self._replies.get(timeout=POLL_SECONDS))
             except queue.Empty:
                 if dead := self._dead(replies):
                     raise RankGroupError(f"distributed {dead} {while_}") from None
@@ -197,7 +205,7 @@ class RankGroup:
         self.closed = reason
         for process, requests in zip(self._ranks, self._requests, strict=True):
             if process.is_alive():
-                requests.put(STOP)
+                requests.put(pickled(STOP))
         deadline = time.monotonic() + STOP_SECONDS
         for process in self._ranks:
             process.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -206,6 +214,13 @@ class RankGroup:
                 process.kill()
                 process.join()
         self._workdir.cleanup()
+
+
+def pickled(message: object) -> bytes:
+    """``message`` as the bytes a queue carries, its tensors moved to shared memory here, where a failure (a full
+    /dev/shm) raises: a queue pickles in a thread of its own, which prints the error and drops the message, and the
+    reader waits for it for ever."""
+    return bytes(ForkingPickler.dumps(message))
 
 
 def exit_status(code: int | None) -> str:
@@ -283,11 +298,11 @@ def rank_loop(
             world_size=sharding.world_size,
         )
         impl = get_backend(backend)
-        replies.put(("ok", rank, None))  # joined: RankGroup waits for every rank's before its first call
+        replies.put(pickled(("ok", rank, None)))  # joined: RankGroup waits for every rank's before its first call
         device = torch.device("cuda", rank) if on_cuda else torch.device("cpu")
         serve(rank, impl, sharding, device, requests, replies)
     except Exception:
-        replies.put(("error", rank, traceback.format_exc()))
+        replies.put(pickled(("error", rank, traceback.format_exc())))
         replies.close()
         replies.join_thread()  # sent before this rank leaves the group, which its peers may fail on
     finally:
@@ -301,7 +316,7 @@ def next_request(requests):
     """The caller's next request, or STOP once the caller is gone."""
     while True:
         try:
-            return requests.get(timeout=POLL_SECONDS)
+            return ForkingPickler.loads(requests.get(timeout=POLL_SECONDS))
         except queue.Empty:
             if not mp.parent_process().is_alive():
                 return STOP
@@ -323,7 +338,7 @@ def serve(rank: int, impl: LogprobBackend, sharding: ShardingSpec, device: torch
             result = finish(impl, targets, sharding, ranks, tp_mode="distributed")
             check_replicas_agree(result)
             reply = to_cpu(result) if rank == 0 else None
-        replies.put(("ok", rank, reply))
+        replies.put(pickled(("ok", rank, reply)))
 
 
 def rank_backward(

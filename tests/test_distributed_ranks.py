@@ -122,6 +122,49 @@ def interrupted(group: RankGroup, doing: str) -> list:
     raise KeyboardInterrupt
 
 
+# A caller whose tensors cannot go to shared memory (a full /dev/shm), on its side ("send") or on rank 0's ("reply").
+SHM_FULL = """
+import sys
+sys.path.insert(0, {tests!r})
+import torch
+import kernels, rank_faults
+hidden, weight, targets = torch.randn(6, 16), torch.randn({VOCAB}, 16), torch.randint(0, {VOCAB}, (6,))
+with kernels.distributed_ranks("rank_faults", kernels.ShardingSpec.even({VOCAB}, {TILE}, 2), "cpu"):
+    if sys.argv[1] == "send":
+        torch.UntypedStorage._share_fd_cpu_ = rank_faults.shm_full
+    else:
+        hidden[0, 0] = rank_faults.SHM_FULL
+    try:
+        kernels.lm_head_logprob(hidden, weight, targets, backend="rank_faults", tp=2, tp_mode="distributed",
+                                vocab_tile={TILE})
+    except kernels.RankGroupError as err:
+        print(str(err).splitlines()[0])
+"""
+
+
+@pytest.mark.parametrize(
+    ("side", "error"),
+    [
+        ("send", "could not send a forward call to the distributed ranks (backend=rank_faults, tp=2): unable to "
+                 "allocate shared memory"),
+        ("reply", "distributed rank 0 failed while serving a forward call (backend=rank_faults, tp=2): RuntimeError: "
+                  "unable to allocate shared memory"),
+    ],
+)  # fmt: skip
+def test_tensors_that_cannot_go_to_shared_memory_raise_instead_of_hanging(side, error):
+    """A queue pickles in a thread of its own, which printed the error and dropped the message: with a weight or
+    a reply larger than /dev/shm (64 MiB in a default Docker container) the call waited for ever."""
+    script = SHM_FULL.format(tests=str(Path(__file__).parent), VOCAB=VOCAB, TILE=TILE)
+    done = subprocess.run(
+        [sys.executable, "-c", script, side],
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout.startswith(error), done.stdout + done.stderr
+
+
 # A caller that opens a group, says which processes and rendezvous dir it holds, and waits to be stopped.
 CALLER = f"""
 import sys, time
