@@ -75,19 +75,27 @@ class RankGroup:
         self.key = (backend, self.sharding, device_type)
         self.weight_sent: tuple[weakref.ref, tuple | None] | None = None  # the weight the ranks hold, and its stamp
         self.closed: str | None = None  # why the group serves no more calls, once it does not
-        self._workdir = tempfile.TemporaryDirectory(prefix="rlsweep-tp-")
-        context = mp.get_context("spawn")
-        self._requests = [context.Queue() for _ in range(tp)]
-        self._replies = context.Queue()
-        args = (self.sharding, backend, module, device_type, self._workdir.name)
-        self._ranks = [
-            context.Process(target=rank_loop, args=(rank, *args, self._requests[rank], self._replies), daemon=True)
-            for rank in range(tp)
-        ]
+        self._workdir: tempfile.TemporaryDirectory | None = None
+        self._ranks, self._requests = [], []
+        self._joined = False  # every rank has joined the process group: until then, none can read a request
         with self._closed_on_failure():
-            for process in self._ranks:
-                process.start()
-            self._collect("starting")  # every rank has joined the process group
+            try:
+                # Not removable only where the process is out of file descriptors: the error that says so is raised.
+                self._workdir = tempfile.TemporaryDirectory(prefix="rlsweep-tp-", ignore_cleanup_errors=True)
+                context = mp.get_context("spawn")
+                self._requests = [context.Queue() for _ in range(tp)]
+                self._replies = context.Queue()
+                args = (self.sharding, backend, module, device_type, self._workdir.name, self._replies)
+                self._ranks = [
+                    context.Process(target=rank_loop, args=(rank, *args, self._requests[rank]), daemon=True)
+                    for rank in range(tp)
+                ]
+                for process in self._ranks:
+                    process.start()
+            except Exception as err:  # out of processes, file descriptors or temp space
+                raise RankGroupError(f"could not start the distributed ranks {self.described}: {err}") from err
+            self._collect("starting")
+            self._joined = True
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> LogprobResult:
         """One distributed call; the weight is sent only when it is not the one the ranks hold."""
@@ -198,22 +206,24 @@ class RankGroup:
         return ", ".join(f"rank {r} died ({exit_status(code)})" for r, code in ended.items())
 
     def close(self, reason: str = "its block has ended") -> None:
-        """Stop every rank (one not stopped after STOP_SECONDS is killed), remove the rendezvous dir, and refuse
-        calls from now on, naming ``reason``."""
+        """Stop every rank (one not stopped after STOP_SECONDS is killed, as are the ranks of a group that never
+        finished joining), remove the rendezvous dir, and refuse calls from now on, naming ``reason``."""
         if self.closed is not None:
             return
         self.closed = reason
-        for process, requests in zip(self._ranks, self._requests, strict=True):
+        started = [(process, self._requests[rank]) for rank, process in enumerate(self._ranks) if process.pid]
+        for process, requests in started:
             if process.is_alive():
                 requests.put(pickled(STOP))
-        deadline = time.monotonic() + STOP_SECONDS
-        for process in self._ranks:
+        deadline = time.monotonic() + (STOP_SECONDS if self._joined else 0.0)
+        for process, _ in started:
             process.join(timeout=max(0.0, deadline - time.monotonic()))
-        for process in self._ranks:
+        for process, _ in started:
             if process.is_alive():  # stuck in a kernel or a collective
                 process.kill()
                 process.join()
-        self._workdir.cleanup()
+        if self._workdir is not None:
+            self._workdir.cleanup()
 
 
 def pickled(message: object) -> bytes:
@@ -278,7 +288,7 @@ def matching_group(backend: str, sharding: ShardingSpec, device_type: str) -> It
 
 
 def rank_loop(
-    rank: int, split: ShardingSpec, backend: str, module: str, device_type: str, workdir: str, requests, replies
+    rank: int, split: ShardingSpec, backend: str, module: str, device_type: str, workdir: str, replies, requests
 ) -> None:
     """A rank process: import ``module`` (which registers ``backend``), join the group and say so, then serve calls
     until told to stop. Any failure, joining included, goes back to the caller as the rank's traceback, and the rank

@@ -230,3 +230,36 @@ def test_ranks_whose_caller_was_killed_stop_and_remove_their_rendezvous_dir():
                 if not gone(pid):
                     os.kill(pid, signal.SIGKILL)
     assert not left and not workdir.exists(), (left, workdir)
+
+
+# A caller out of file descriptors at one point or another of opening a group (the limit is raised again after).
+OUT_OF_FILES = """
+import os, resource
+import kernels
+_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+for margin in range(0, 24, 4):
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + margin, hard))
+    try:
+        with kernels.distributed_ranks("aten", kernels.ShardingSpec.even(64, 16, 4), "cpu"):
+            print("opened")
+    except Exception as err:
+        print(type(err).__name__, err)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts open files in /proc")
+def test_a_group_that_runs_out_of_file_descriptors_while_starting_says_so(tmp_path):
+    """Failing to start its third rank, a group's cleanup joined ranks never started and raised "AssertionError: can
+    only join a started process" in place of the error; failing earlier, it raised a bare OSError."""
+    done = subprocess.run(
+        [sys.executable, "-c", OUT_OF_FILES],
+        cwd=Path(__file__).parent.parent,
+        env={**os.environ, "TMPDIR": str(tmp_path)},  # a rendezvous dir is not removable without a file descriptor
+        capture_output=True,
+        timeout=120,
+        text=True,
+    )
+    failed = "RankGroupError could not start the distributed ranks (backend=aten, tp=4): [Errno 24] Too many open files"
+    lines = done.stdout.splitlines()
+    assert failed in lines and set(lines) <= {failed, "opened"}, done.stdout + done.stderr
