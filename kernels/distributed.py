@@ -29,6 +29,7 @@ import weakref
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import replace
+from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
@@ -48,6 +49,9 @@ DEVICE_TYPES = ("cpu", "cuda")  # where rank processes compute: gloo on the CPU,
 POLL_SECONDS = 1.0  # how often the caller checks that its ranks are alive, and an idle rank its caller
 DEATH_GRACE_SECONDS = 0.5  # how long a rank's error waits for a peer's death that may have caused it
 STOP_SECONDS = 10.0  # how long closing a group waits for its ranks to stop before it kills them
+# How long a rank waits in a collective for its peers: a rank that hangs fails the others' next collective after it,
+# and the call raises. torch's default for gloo, given to NCCL too; read when a group opens.
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 STOP = "stop"
 FORWARD, BACKWARD = "forward", "backward"  # the two requests a rank serves
 
@@ -85,7 +89,15 @@ class RankGroup:
                 context = mp.get_context("spawn")
                 self._requests = [context.Queue() for _ in range(tp)]
                 self._replies = context.Queue()
-                args = (self.sharding, backend, module, device_type, self._workdir.name, self._replies)
+                args = (
+                    self.sharding,
+                    backend,
+                    module,
+                    device_type,
+                    COLLECTIVE_TIMEOUT,
+                    self._workdir.name,
+                    self._replies,
+                )
                 self._ranks = [
                     context.Process(target=rank_loop, args=(rank, *args, self._requests[rank]), daemon=True)
                     for rank in range(tp)
@@ -288,7 +300,15 @@ def matching_group(backend: str, sharding: ShardingSpec, device_type: str) -> It
 
 
 def rank_loop(
-    rank: int, split: ShardingSpec, backend: str, module: str, device_type: str, workdir: str, replies, requests
+    rank: int,
+    split: ShardingSpec,
+    backend: str,
+    module: str,
+    device_type: str,
+    timeout: timedelta,
+    workdir: str,
+    replies,
+    requests,
 ) -> None:
     """A rank process: import ``module`` (which registers ``backend``), join the group and say so, then serve calls
     until told to stop. Any failure, joining included, goes back to the caller as the rank's traceback, and the rank
@@ -306,6 +326,7 @@ def rank_loop(
             init_method=Path(workdir, "rendezvous").as_uri(),
             rank=rank,
             world_size=sharding.world_size,
+            timeout=timeout,
         )
         impl = get_backend(backend)
         replies.put(pickled(("ok", rank, None)))  # joined: RankGroup waits for every rank's before its first call

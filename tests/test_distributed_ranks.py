@@ -232,6 +232,39 @@ def test_ranks_whose_caller_was_killed_stop_and_remove_their_rendezvous_dir():
     assert not left and not workdir.exists(), (left, workdir)
 
 
+# A caller whose rank 1 stops answering (SIGSTOP: as a rank stuck in a kernel) with a collective timeout of seconds.
+HUNG_RANK = """
+import os, signal, time
+from datetime import timedelta
+import torch
+import kernels
+from kernels import distributed
+distributed.COLLECTIVE_TIMEOUT, distributed.STOP_SECONDS = timedelta(seconds=2), 1.0
+hidden, weight, targets = torch.randn(6, 16), torch.randn({VOCAB}, 16), torch.randint(0, {VOCAB}, (6,))
+with kernels.distributed_ranks("aten", kernels.ShardingSpec.even({VOCAB}, {TILE}, 2), "cpu") as group:
+    os.kill(group._ranks[1].pid, signal.SIGSTOP)
+    try:
+        kernels.lm_head_logprob(hidden, weight, targets, backend="aten", tp=2, tp_mode="distributed", vocab_tile={TILE})
+    except kernels.RankGroupError as err:
+        print(str(err).splitlines()[0])
+    print("exit codes", *[rank.exitcode for rank in group._ranks])
+"""
+
+
+def test_a_rank_that_hangs_fails_its_peers_collective_and_the_call_after_the_collective_timeout():
+    """The ranks took torch's default collective timeout, which nothing named: a hung rank held the call for 30
+    minutes. COLLECTIVE_TIMEOUT is now the group's, given to every rank; the hung rank is killed as the group closes."""
+    script = HUNG_RANK.format(VOCAB=VOCAB, TILE=TILE)
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=120
+    )
+    error, codes = done.stdout.splitlines()[-2:] if done.stdout.count("\n") >= 2 else ("", "")
+    assert error.startswith("distributed rank 0 failed while serving a forward call") and "Timed out" in error, (
+        done.stdout + done.stderr
+    )
+    assert codes == "exit codes 0 -9", done.stdout
+
+
 # A caller out of file descriptors at one point or another of opening a group (the limit is raised again after).
 OUT_OF_FILES = """
 import os, resource
