@@ -23,6 +23,7 @@ import queue
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import traceback
 import weakref
@@ -79,6 +80,7 @@ class RankGroup:
         self.key = (backend, self.sharding, device_type)
         self.weight_sent: tuple[weakref.ref, tuple | None] | None = None  # the weight the ranks hold, and its stamp
         self.closed: str | None = None  # why the group serves no more calls, once it does not
+        self._serving = threading.Lock()  # one call at a time: calls from two threads would read each other's replies
         self._workdir: tempfile.TemporaryDirectory | None = None
         self._ranks, self._requests = [], []
         self._joined = False  # every rank has joined the process group: until then, none can read a request
@@ -143,27 +145,28 @@ class RankGroup:
                 f"weight must be [V, H] with V={self.sharding.vocab_size} (the group's vocab split), "
                 f"got shape {tuple(weight.shape)}"
             )
-        # The same tensor object, unchanged since it was sent: the ranks already hold this weight. A new tensor
-        # that reuses a freed one's memory is another object, so it is sent.
-        if self.closed is not None:
-            raise RankGroupError(f"this rank group {self.described} serves no more calls: {self.closed}")
-        stamp = version_stamp(weight)
-        held = self.weight_sent is not None and self.weight_sent[0]() is weight and self.weight_sent[1] == stamp
-        # Copies: the queue moves a CPU tensor's storage into shared memory, which must not be the caller's.
-        new_weight = None if held and stamp is not None else weight.detach().to("cpu", copy=True)
-        message = (kind, hidden.detach().to("cpu", copy=True), targets.to("cpu", copy=True), new_weight, *extra)
-        with self._closed_on_failure():
-            try:  # every rank's copy before any is sent: a rank sent a call its peers never get would wait for them
-                sent = [pickled(message) for _ in self._requests]
-            except Exception as err:
-                raise RankGroupError(
-                    f"could not send a {kind} call to the distributed ranks {self.described}: {err} (tensors travel "
-                    "to the rank processes in shared memory, /dev/shm)"
-                ) from err
-            for requests, request in zip(self._requests, sent, strict=True):
-                requests.put(request)
-            self.weight_sent = (weakref.ref(weight), stamp)
-            return self._collect(f"serving a {kind} call")
+        with self._serving:
+            if self.closed is not None:
+                raise RankGroupError(f"this rank group {self.described} serves no more calls: {self.closed}")
+            # The same tensor object, unchanged since it was sent: the ranks already hold this weight. A new tensor
+            # that reuses a freed one's memory is another object, so it is sent.
+            stamp = version_stamp(weight)
+            held = self.weight_sent is not None and self.weight_sent[0]() is weight and self.weight_sent[1] == stamp
+            # Copies: the queue moves a CPU tensor's storage into shared memory, which must not be the caller's.
+            new_weight = None if held and stamp is not None else weight.detach().to("cpu", copy=True)
+            message = (kind, hidden.detach().to("cpu", copy=True), targets.to("cpu", copy=True), new_weight, *extra)
+            with self._closed_on_failure():
+                try:  # every rank's copy before any is sent: a rank sent a call its peers never get waits for them
+                    sent = [pickled(message) for _ in self._requests]
+                except Exception as err:
+                    raise RankGroupError(
+                        f"could not send a {kind} call to the distributed ranks {self.described}: {err} (tensors "
+                        "travel to the rank processes in shared memory, /dev/shm)"
+                    ) from err
+                for requests, request in zip(self._requests, sent, strict=True):
+                    requests.put(request)
+                self.weight_sent = (weakref.ref(weight), stamp)
+                return self._collect(f"serving a {kind} call")
 
     @property
     def described(self) -> str:

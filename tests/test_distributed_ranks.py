@@ -265,6 +265,33 @@ def test_a_rank_that_hangs_fails_its_peers_collective_and_the_call_after_the_col
     assert codes == "exit codes 0 -9", done.stdout
 
 
+# Calls on one group from several threads at once (asyncio.to_thread copies the context, the open group with it).
+THREADS = """
+from concurrent.futures import ThreadPoolExecutor
+import torch
+import kernels
+weight, targets = torch.randn({VOCAB}, 16), torch.randint(0, {VOCAB}, (64,))
+hiddens = [torch.randn(64, 16) for _ in range(8)]
+want = [kernels.lm_head_logprob(h, weight, targets, backend="aten", tp=2, vocab_tile={TILE}).lse for h in hiddens]
+with kernels.distributed_ranks("aten", kernels.ShardingSpec.even({VOCAB}, {TILE}, 2), "cpu") as group:
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda h: group(h, weight, targets).lse, hiddens))
+print(*[torch.equal(a, b) for a, b in zip(want, got)])
+"""
+
+
+def test_calls_on_one_group_from_several_threads_get_their_own_results():
+    """Their requests and replies interleaved: a call took another's replies, and the other waited for ever."""
+    done = subprocess.run(
+        [sys.executable, "-c", THREADS.format(VOCAB=VOCAB, TILE=TILE)],
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout.split() == ["True"] * 8, done.stdout + done.stderr
+
+
 # A caller out of file descriptors at one point or another of opening a group (the limit is raised again after).
 OUT_OF_FILES = """
 import os, resource
