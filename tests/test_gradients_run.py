@@ -159,20 +159,22 @@ def test_the_gate_compares_each_tokens_d_hidden_and_each_cells_d_weight_bits_acr
 def test_a_controls_gradient_reds_are_declared_like_any_other_and_a_gradient_declaration_matching_none_is_red(
     tmp_path,
 ):
-    from rlsweep_fixtures import multirun, run_rlsweep
+    from dataclasses import replace
 
-    control = ("profile=negative_control_cpu", "layout=smoke", "grad=true")
-    declared = [f"{{judgment:{j},reason:control}}" for j in ("forward_invariance", "gradient_accuracy")]
-    everywhere = "{judgment:gradient_invariance,reason:control}"
-    single = run_rlsweep(tmp_path / "run", *control, f"expected_red=[{','.join([*declared, everywhere])}]")
-    assert single.returncode == 0, single.stdout + single.stderr
-    done = multirun(tmp_path / "sweep", *control, "tp=1,2", f"expected_red=[{','.join([*declared, everywhere])}]")
+    from rlsweep_fixtures import multirun
+
+    from rlsweep.gate import declaration_check, run_gate
+
+    declared = [{"judgment": j, "reason": "control"} for j in ("forward_invariance", "gradient_accuracy")]
+    everywhere = {"judgment": "gradient_invariance", "reason": "control"}
+    listed = ",".join("{" + ",".join(f"{k}:{v}" for k, v in d.items()) + "}" for d in [*declared, everywhere])
+    done = multirun(tmp_path, "profile=negative_control_cpu", "layout=smoke", "grad=true", "model.vocab_size=1000",
+                    "tp=1,2", f"expected_red=[{listed}]")  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     # A run compares each cell's d hidden with the canonical cell's, so no row of it has the canonical cell; the
-    # control is not cross_tp_bitwise, so the gate has no gradient rows for it either.
-    canonical = "{judgment:gradient_invariance,cells:[BN/packed],reason:control}"
-    done = multirun(tmp_path / "blind", *control, "tp=1,2", f"expected_red=[{','.join([*declared, canonical])}]")
-    assert done.returncode == 2, done.stdout + done.stderr
-    sweep = pd.read_parquet(tmp_path / "blind" / "sweep_checks.parquet")
-    unmatched = sweep[(sweep.judgment == "expected_red") & ~sweep.passed]
-    assert unmatched.tensor.tolist() == ["gradient_invariance"] and "cells: ['BN/packed']" in unmatched.detail.iloc[0]
+    # control is not cross_tp_bitwise, so the gate has no gradient rows for it either: declared there, it is red.
+    result = run_gate(tmp_path)
+    canonical = {**everywhere, "cells": ["BN/packed"]}
+    blind = [replace(run, config={**run.config, "expected_red": [*declared, canonical]}) for run in result.runs]
+    (row,) = declaration_check(blind, result.sweep_checks.to_dict("records"))
+    assert not row["passed"] and row["tensor"] == "gradient_invariance" and "cells: ['BN/packed']" in row["detail"]
