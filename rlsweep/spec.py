@@ -346,7 +346,17 @@ class RunSpec:
                 f"{families}"
                 + ("" if self.profile.backend_module else " (a backend of your own: see profile.backend_module)")
             )
-        backend = kernels.BACKENDS[self.profile.backend_family]
+        # The run binds every op node to backend_family, so a node required on any other backend (or on a typo)
+        # could never pass: the run would compute everything and end red on provenance alone.
+        family, required = self.profile.backend_family, self.profile.required_nodes
+        other = {node: backend for node, backend in required.items() if backend != family}
+        if other:
+            raise ConfigError(
+                f"profile {self.profile.name!r}: required_nodes {other} name a backend other than "
+                f"backend_family={family!r}, which the run binds every op node to; valid: "
+                f"{dict.fromkeys(required, family)}"
+            )
+        backend = kernels.BACKENDS[family]
         if self.grad and self.tp_mode == "distributed" and not kernels.has_tiled_backward(backend):
             tiled = [name for name, impl in kernels.BACKENDS.items() if kernels.has_tiled_backward(impl)]
             raise ConfigError(

@@ -375,3 +375,11 @@ def test_cli_refuses_a_truncated_weight_file(tmp_path):
     assert f"weight file '{tmp_path / 'head.safetensors'}'" in done.stderr
     assert "Traceback" not in done.stderr
     assert tables_left(tmp_path / "run") == []
+
+
+@pytest.mark.parametrize("backend", ["atn", "triton", "reference"])
+def test_a_node_required_on_another_backend_than_the_profiles_is_refused(backend):
+    """The run binds every op node to backend_family: a node required elsewhere could only end red, after the run."""
+    message = f"required_nodes {{'matmul': '{backend}'}} name a backend other than backend_family='aten'"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        run_spec(compose_run("layout=smoke", f"profile.required_nodes.matmul={backend}"))
