@@ -43,6 +43,7 @@ CONTRACT_DTYPES = kernels.EXECUTION_DTYPE_NAMES
 REQUIRED_CHAIN_METRICS = ("max_abs_dlogp", "approx_kl0", "clipfrac0")
 CONTRACT_TENSORS = FORWARD_TENSORS + GRADIENT_TENSORS
 PIN_KEY = "expected_sha256"
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")  # a sha256 as hashlib's hexdigest writes it
 DEFAULT_CONTRACT = "v2"
 # Op classes key rows beside the dtype: where the logits are rounded decides most of the error budget.
 OP_CLASSES = tuple(f"logits_{dtype}" for dtype in CONTRACT_DTYPES)
@@ -272,8 +273,7 @@ def contract_from_mapping(
     rows = parse_judgments(document["judgments"], source)
     clip, judged, chain = parse_chain(document["chain_logprob_aggregates"], source)
     pin = document.get(PIN_KEY)
-    if pin is not None and not isinstance(pin, str):
-        raise ContractError(f"{source}: {PIN_KEY} must be a sha256 hex string or null, got {pin!r}")
+    check_pin(pin, f"{source}: {PIN_KEY}")
     return Contract(
         version=str(document["version"]),
         sha256=contract_sha256(document),
@@ -285,6 +285,15 @@ def contract_from_mapping(
         chain=MappingProxyType(chain),
         chain_metrics=judged,
     )
+
+
+def check_pin(pin: Any, where: str, error: type[RlsweepError] = ContractError) -> None:
+    """A sha256 pin is null or 64 lowercase hex digits, as hashlib and the tables write one: any other string could
+    never match, so the run would compute everything and end red on the pin alone."""
+    if pin is not None and not (isinstance(pin, str) and SHA256_HEX.fullmatch(pin)):
+        raise error(
+            f"{where} must be null or a sha256 of 64 lowercase hex digits, as the tables record it; got {pin!r}"
+        )
 
 
 def check_version(version: Any, file_name: str, source: str) -> None:

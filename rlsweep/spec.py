@@ -18,7 +18,15 @@ from typing import Any
 import torch
 
 import kernels
-from rlsweep.contract import DETERMINISM_SCOPES, Contract, RowKey, contract_from_mapping, op_class, reject_unknown
+from rlsweep.contract import (
+    DETERMINISM_SCOPES,
+    Contract,
+    RowKey,
+    check_pin,
+    contract_from_mapping,
+    op_class,
+    reject_unknown,
+)
 from rlsweep.errors import ConfigError
 from rlsweep.synthetic import check_seed
 from rlsweep.verdicts import DECLARABLE, FORWARD_TENSORS, GRADIENT_TENSORS, Judgment
@@ -119,6 +127,7 @@ class ModelSpec:
             raise ConfigError(
                 f"model.padded_vocab_size={padded!r} is outside [vocab_size={self.vocab_size}, {MAX_VOCAB_SIZE}]"
             )
+        check_pin(self.weight_sha256, "model.weight_sha256", ConfigError)
 
 
 @dataclass(frozen=True)

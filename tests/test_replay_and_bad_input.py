@@ -22,7 +22,7 @@ from rlsweep.config import (
     run_spec,
 )
 from rlsweep.contract import load_contract, op_class
-from rlsweep.errors import ConfigError, ContractError, OutputDirError, ReplayInputError
+from rlsweep.errors import ConfigError, ContractError, OutputDirError, ReplayInputError, RlsweepError
 from rlsweep.tables import TOKENS_TABLE
 
 HIDDEN, VOCAB, SEQ_LENS = 32, 1500, [6, 9, 5]
@@ -216,12 +216,24 @@ def test_unwritable_tables_dir_is_a_usage_error(tmp_path):
 
 @pytest.mark.parametrize(
     ("overrides", "pinned"),
-    [(["model.weight_sha256=0000"], "pinned weight_sha256 0000"), (["contract.expected_sha256=0000"], "pinned 0000")],
+    [
+        ([f"model.weight_sha256={'0' * 64}"], f"pinned weight_sha256 {'0' * 64}"),
+        ([f"contract.expected_sha256={'0' * 64}"], f"pinned {'0' * 64}"),
+    ],
 )
 def test_pinned_hash_mismatch_is_red(tmp_path, overrides, pinned):
     outcome = execute_run(compose_run("layout=smoke", *overrides), tmp_path)
     assert outcome.exit_code == 2
     assert [v.detail.startswith(pinned) for v in outcome.unexpected] == [True]
+
+
+@pytest.mark.parametrize("key", ["model.weight_sha256", "contract.expected_sha256"])
+@pytest.mark.parametrize("pin", ["0000", "''", "A" * 64, "0" * 63 + "g", "0" * 65])
+def test_a_pin_that_could_never_match_is_refused_before_the_run(key, pin):
+    """A pin not spelled as the tables record a sha256 (64 lowercase hex digits) could only end red, after the run."""
+    name = key.split(".")[-1]  # a contract's messages name the file first: "contract=v2: expected_sha256 ..."
+    with pytest.raises(RlsweepError, match=re.escape(f"{name} must be null or a sha256 of 64 lowercase hex digits")):
+        run_spec(compose_run("layout=smoke", f"{key}={pin}"))
 
 
 def test_distributed_tp_needs_a_gpu_per_rank(monkeypatch, tmp_path):
