@@ -53,6 +53,7 @@ TOP_KEYS = ("version", PIN_KEY, "dtype_policy", "comparison_roles", "judgments",
 DTYPE_POLICY_KEYS = ("execution_dtype", "accumulation_dtype", "reference_dtype", "tf32", "fp8")
 ROLES_KEYS = ("roles", "judgments", "forbidden")
 ROW_KEYS = ("atol", "rtol", "mode")
+ROLE_PAIR_KEYS = ("lhs", "rhs")
 CHAIN_KEYS = ("over", "clip_interval", "require_all", "nonfinite", "empty_active_set", "judged_metrics", "thresholds")
 RowKey = tuple[str, str, str, str, str]  # (judgment, scope or "", tensor, dtype, op class or ANY_OP_CLASS)
 
@@ -308,19 +309,44 @@ def check_version(version: Any, file_name: str, source: str) -> None:
 
 
 def parse_roles(section: Mapping[str, Any], source: str) -> dict[str, tuple[str, str]]:
-    reject_unknown(section, ROLES_KEYS, f"{source}: comparison_roles")
-    known = set(section.get("roles", []))
-    forbidden = {(pair["lhs"], pair["rhs"]) for pair in section.get("forbidden", [])}
+    where = f"{source}: comparison_roles"
+    reject_unknown(section, ROLES_KEYS, where)
+    known = distinct_names(section.get("roles", []), f"{where}.roles", "role names")
+    forbidden_pairs = section.get("forbidden", [])
+    if not isinstance(forbidden_pairs, (list, tuple)):
+        raise ContractError(f"{where}.forbidden must be a list of {{lhs, rhs}} pairs, got {forbidden_pairs!r}")
+    # A forbidden pair with an undeclared role would forbid nothing: checked like the judgments' pairs.
+    forbidden = {role_pair(pair, known, f"{where}.forbidden[{i}]") for i, pair in enumerate(forbidden_pairs)}
+    pairs = section.get("judgments", {})
+    if not isinstance(pairs, Mapping):
+        raise ContractError(f"{where}.judgments must be a mapping of name -> {{lhs, rhs}}, got {pairs!r}")
     roles = {}
-    for name, pair in section.get("judgments", {}).items():
-        lhs, rhs = pair.get("lhs"), pair.get("rhs")
-        for side, role in (("lhs", lhs), ("rhs", rhs)):
-            if role not in known:
-                raise ContractError(f"{source}: comparison_roles.{name}.{side}={role!r} is not one of {sorted(known)}")
+    for name, pair in pairs.items():
+        lhs, rhs = role_pair(pair, known, f"{where}.{name}")
         if (lhs, rhs) in forbidden:
-            raise ContractError(f"{source}: comparison_roles.{name} compares {lhs!r} with {rhs!r}, a forbidden pair")
+            raise ContractError(f"{where}.{name} compares {lhs!r} with {rhs!r}, a forbidden pair")
         roles[name] = (lhs, rhs)
     return roles
+
+
+def role_pair(pair: Any, known: Sequence[str], where: str) -> tuple[str, str]:
+    """``{lhs: role, rhs: role}``, both among the declared roles ``known``."""
+    reject_unknown(pair, ROLE_PAIR_KEYS, where)
+    for side in ROLE_PAIR_KEYS:
+        if pair.get(side) not in known:
+            raise ContractError(f"{where}.{side}={pair.get(side)!r} is not one of {sorted(known)}")
+    return pair["lhs"], pair["rhs"]
+
+
+def distinct_names(names: Any, where: str, what: str) -> tuple[str, ...]:
+    """A list of distinct strings (roles, metric names): anything else is refused, naming ``where``."""
+    if (
+        not isinstance(names, (list, tuple))
+        or not all(isinstance(name, str) for name in names)
+        or len(set(names)) != len(names)
+    ):
+        raise ContractError(f"{where} must be a list of distinct {what}, got {names!r}")
+    return tuple(names)
 
 
 def parse_judgments(section: Mapping[str, Any], source: str) -> dict[RowKey, Tolerance]:
@@ -448,8 +474,7 @@ def finite_number(value: Any, where: str, *, at_least: float | None = None) -> f
 
 def parse_judged_metrics(names: Any, where: str) -> tuple[str, ...]:
     """A list of distinct metric names of rlsweep.mismatch.METRICS that holds REQUIRED_CHAIN_METRICS."""
-    if not isinstance(names, (list, tuple)) or len(set(names)) != len(names):
-        raise ContractError(f"{where}.judged_metrics must be a list of distinct metric names, got {names!r}")
+    distinct_names(names, f"{where}.judged_metrics", "metric names")
     check_metric_names(names, f"{where}.judged_metrics")
     dropped = [metric for metric in REQUIRED_CHAIN_METRICS if metric not in names]
     if dropped:

@@ -121,6 +121,52 @@ def test_a_clip_interval_that_is_not_two_finite_numbers_around_1_is_refused_by_n
         contract_from_mapping(bad)
 
 
+def set_roles(document, **section):
+    document["comparison_roles"].update(section)
+
+
+def set_pair(document, name, pair):
+    document["comparison_roles"]["judgments"][name] = pair
+
+
+# A comparison_roles or judged_metrics section of the wrong shape is named, not a TypeError from inside the loader.
+BAD_SHAPES = {
+    "roles not a list": (lambda d: set_roles(d, roles=None), "comparison_roles.roles must be a list of distinct"),
+    "a role twice": (
+        lambda d: set_roles(d, roles=["candidate", "reference", "candidate"]),
+        "comparison_roles.roles must be a list of distinct role names",
+    ),
+    "judgments a list": (lambda d: set_roles(d, judgments=[1]), "comparison_roles.judgments must be a mapping"),
+    "pair a string": (lambda d: set_pair(d, "forward_accuracy", "candidate"), "forward_accuracy must be a mapping"),
+    "pair with another key": (
+        lambda d: set_pair(d, "forward_accuracy", {"lhs": "candidate", "rhs": "reference", "note": 1}),
+        "comparison_roles.forward_accuracy: unknown key(s) ['note']",
+    ),
+    "forbidden not a list": (lambda d: set_roles(d, forbidden=None), "comparison_roles.forbidden must be a list"),
+    "forbidden pair without rhs": (
+        lambda d: set_roles(d, forbidden=[{"lhs": "reference"}]),
+        "comparison_roles.forbidden[0].rhs=None is not one of",
+    ),
+    "forbidden pair with a misspelt role": (
+        lambda d: set_roles(d, forbidden=[{"lhs": "referense", "rhs": "candidate"}]),
+        "comparison_roles.forbidden[0].lhs='referense' is not one of",
+    ),
+    "judged_metrics of lists": (
+        lambda d: d["chain_logprob_aggregates"].update(judged_metrics=[["max_abs_dlogp"]]),
+        "chain_logprob_aggregates.judged_metrics must be a list of distinct metric names",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SHAPES))
+def test_a_roles_or_metrics_section_of_the_wrong_shape_is_refused_by_name(document, case):
+    change, message = BAD_SHAPES[case]
+    bad = copy.deepcopy(document)
+    change(bad)
+    with pytest.raises(ContractError, match=re.escape(message)):
+        contract_from_mapping(bad)
+
+
 def test_sha256_ignores_the_pin_and_int_float_spelling_but_not_thresholds():
     document = OmegaConf.to_container(OmegaConf.load(default_contract_path("v1")), resolve=True)
     base = contract_from_mapping(document).sha256
