@@ -409,6 +409,11 @@ def parse_tolerance(row: Mapping[str, Any], where: str) -> Tolerance:
             raise ContractError(f"{where}: a rounding_model row has only 'mode', got {sorted(row)}")
         return Tolerance(atol=0.0, rtol=0.0, mode=mode)
     values = {key: finite_number(row.get(key), f"{where}: {key}", at_least=0) for key in ("atol", "rtol")}
+    if values["rtol"] >= 1:  # |0 - rhs| <= rtol * |rhs|: a kernel that returns 0 for every token would pass
+        raise ContractError(
+            f"{where}: rtol={values['rtol']!r} passes a kernel that returns 0 for every token (|0 - rhs| <= rtol * "
+            "|rhs|); valid: rtol in [0, 1)"
+        )
     if mode == "bitwise" and (values["atol"] or values["rtol"]):
         raise ContractError(f"{where}: a bitwise row must have atol = rtol = 0, got {values}")
     return Tolerance(atol=values["atol"], rtol=values["rtol"], mode=mode)
@@ -455,6 +460,12 @@ def parse_chain(
                 f"missing {missing or 'none'}, not in judged_metrics {undeclared or 'none'}"
             )
         figures = {metric: finite_number(value, f"{at}.{metric}", at_least=0) for metric, value in thresholds.items()}
+        for metric, figure in figures.items():
+            if figure >= BY_NAME[metric].ceiling:  # a fraction, or a difference of probabilities, is at most 1
+                raise ContractError(
+                    f"{at}.{metric}={figure!r} can never fail: {metric} is at most {BY_NAME[metric].ceiling:g}; "
+                    f"valid: a figure in [0, {BY_NAME[metric].ceiling:g})"
+                )
         chain[dtype] = ChainThresholds(figures=MappingProxyType(figures))
     return (low, high), judged, chain
 

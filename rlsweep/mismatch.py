@@ -106,6 +106,7 @@ class MismatchMetric:
     formula: str  # the term in words, for a verdict's detail
     signed: bool = False
     aliases: tuple[str, ...] = ()  # other names of the same value: one row each, bitwise equal
+    ceiling: float = math.inf  # the largest value it can take: a fixed figure at or above it could never fail
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -142,7 +143,7 @@ class MismatchMetric:
 METRICS = (
     MismatchMetric("max_abs_dlogp", TOKEN, "max", abs_dlogp, "|x|"),
     MismatchMetric("approx_kl0", TOKEN, "mean", k3, "k3 = exp(x) - 1 - x", aliases=("k3_kl",)),
-    MismatchMetric("clipfrac0", TOKEN, "mean", clipped, "[exp(x) outside [{low}, {high}]]"),
+    MismatchMetric("clipfrac0", TOKEN, "mean", clipped, "[exp(x) outside [{low}, {high}]]", ceiling=1.0),
     MismatchMetric("k1_kl", TOKEN, "mean", k1, "k1 = -x", signed=True),
     MismatchMetric("k2_kl", TOKEN, "mean", k2, "k2 = x^2 / 2"),
     MismatchMetric("k1_kl_seq", SEQUENCE_SUM, "mean", k1, "k1 = -x", signed=True),
@@ -151,8 +152,8 @@ METRICS = (
     MismatchMetric("chi2_token", TOKEN, "mean", chi2, "exp(2x) - 1", signed=True),
     MismatchMetric("chi2_seq", SEQUENCE_SUM, "mean", chi2, "exp(2x) - 1", signed=True),
     MismatchMetric("ppl_ratio", SEQUENCE_MEAN, "mean", ppl_ratio, "ppl_lhs / ppl_rhs = exp(-x)", signed=True),
-    MismatchMetric("rollout_probs_diff_max", TOKEN, "max", abs_dp, "|dp| = p_rhs * |exp(x) - 1|"),
-    MismatchMetric("rollout_probs_diff_mean", TOKEN, "mean", abs_dp, "|dp| = p_rhs * |exp(x) - 1|"),
+    MismatchMetric("rollout_probs_diff_max", TOKEN, "max", abs_dp, "|dp| = p_rhs * |exp(x) - 1|", ceiling=1.0),
+    MismatchMetric("rollout_probs_diff_mean", TOKEN, "mean", abs_dp, "|dp| = p_rhs * |exp(x) - 1|", ceiling=1.0),
 )
 METRIC_NAMES = tuple(metric.name for metric in METRICS)  # what a contract row may be keyed by
 REPORTED_NAMES = tuple(name for metric in METRICS for name in metric.names)  # one checks row each

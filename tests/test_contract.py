@@ -167,6 +167,55 @@ def test_a_roles_or_metrics_section_of_the_wrong_shape_is_refused_by_name(docume
         contract_from_mapping(bad)
 
 
+@pytest.fixture(scope="module")
+def v1_document():
+    return OmegaConf.to_container(OmegaConf.load(default_contract_path("v1")), resolve=True)
+
+
+def widen_rtol(document, rtol):
+    document["judgments"]["forward_accuracy"]["rows"]["logp"]["bfloat16"]["rtol"] = rtol
+
+
+def widen_chain(document, metric, figure):
+    document["chain_logprob_aggregates"]["thresholds"]["bfloat16"][metric] = figure
+
+
+def judge_also(document, metric, figure):
+    """Judge ``metric`` too, by ``figure`` at every dtype."""
+    chain = document["chain_logprob_aggregates"]
+    chain["judged_metrics"] = [*chain.get("judged_metrics", ["max_abs_dlogp", "approx_kl0", "clipfrac0"]), metric]
+    for thresholds in chain["thresholds"].values():
+        thresholds[metric] = figure
+
+
+# Figures no value can exceed: a row or a chain metric that could never fail.
+FIGURES_THAT_CANNOT_FAIL = {
+    "rtol 1": (lambda d: widen_rtol(d, 1.0), "rtol=1.0 passes a kernel that returns 0 for every token"),
+    "rtol 5": (lambda d: widen_rtol(d, 5), "rtol=5.0 passes a kernel that returns 0 for every token"),
+    "clipfrac0 1": (lambda d: widen_chain(d, "clipfrac0", 1), "bfloat16.clipfrac0=1.0 can never fail"),
+    "rollout_probs_diff_max 2": (
+        lambda d: judge_also(d, "rollout_probs_diff_max", 2.0),
+        "bfloat16.rollout_probs_diff_max=2.0 can never fail",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FIGURES_THAT_CANNOT_FAIL))
+def test_a_figure_no_value_can_exceed_is_refused(v1_document, case):
+    change, message = FIGURES_THAT_CANNOT_FAIL[case]
+    bad = copy.deepcopy(v1_document)
+    change(bad)
+    with pytest.raises(ContractError, match=re.escape(message)):
+        contract_from_mapping(bad)
+
+
+def test_figures_just_below_the_ceiling_are_accepted(v1_document):
+    loose = copy.deepcopy(v1_document)
+    widen_rtol(loose, 0.999)
+    widen_chain(loose, "clipfrac0", 0.999)
+    contract_from_mapping(loose)
+
+
 def test_sha256_ignores_the_pin_and_int_float_spelling_but_not_thresholds():
     document = OmegaConf.to_container(OmegaConf.load(default_contract_path("v1")), resolve=True)
     base = contract_from_mapping(document).sha256
