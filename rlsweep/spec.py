@@ -348,6 +348,13 @@ class RunSpec:
     def __post_init__(self) -> None:
         choice("tp_mode", self.tp_mode, kernels.TP_MODES)
         check_seed(self.seed, "seed")
+        tile, vocab = self.sharding.vocab_tile, self.model.vocab_size
+        if self.tp > 1 and tile >= vocab:  # shards are whole tiles: one tile holds the whole vocab, on rank 0
+            raise ConfigError(
+                f"tp={self.tp} with profile.vocab_tile={tile} >= model.vocab_size={vocab}: rank 0 holds the whole "
+                "vocab and every other rank padding only, so nothing is split and no tp verdict can fail; use tp=1"
+                + (f", or a vocab_tile below {vocab} (a power of two >= 16)" if vocab > 16 else "")
+            )
         if self.profile.backend_family not in kernels.BACKENDS or self.profile.backend_family == "reference":
             families = sorted(set(kernels.BACKENDS) - {"reference"})
             raise ConfigError(

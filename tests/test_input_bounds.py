@@ -383,3 +383,11 @@ def test_a_node_required_on_another_backend_than_the_profiles_is_refused(backend
     message = f"required_nodes {{'matmul': '{backend}'}} name a backend other than backend_family='aten'"
     with pytest.raises(ConfigError, match=re.escape(message)):
         run_spec(compose_run("layout=smoke", f"profile.required_nodes.matmul={backend}"))
+
+
+@pytest.mark.parametrize("overrides", [["model.vocab_size=200"], ["profile.vocab_tile=4096"], ["model.vocab_size=10"]])
+def test_tp_above_1_where_one_tile_holds_the_whole_vocab_is_refused(overrides):
+    """Shards are whole tiles: a tile of the whole vocab sits on rank 0, and the other ranks split nothing."""
+    with pytest.raises(ConfigError, match=r"tp=2 with profile\.vocab_tile=\d+ >= model\.vocab_size=\d+: rank 0 holds"):
+        run_spec(compose_run("layout=smoke", "tp=2", *overrides))
+    run_spec(compose_run("layout=smoke", "tp=1", *overrides))
