@@ -55,6 +55,7 @@ ROLES_KEYS = ("roles", "judgments", "forbidden")
 ROW_KEYS = ("atol", "rtol", "mode")
 ROLE_PAIR_KEYS = ("lhs", "rhs")
 CHAIN_KEYS = ("over", "clip_interval", "require_all", "nonfinite", "empty_active_set", "judged_metrics", "thresholds")
+CHAIN_TOKENS = "active_tokens"  # the chain metrics aggregate dlogp over these
 RowKey = tuple[str, str, str, str, str]  # (judgment, scope or "", tensor, dtype, op class or ANY_OP_CLASS)
 
 
@@ -432,6 +433,9 @@ def parse_chain(
     for key in ("nonfinite", "empty_active_set"):
         if section.get(key) != "hard_failure":
             raise ContractError(f"{where}.{key} must be 'hard_failure', got {section.get(key)!r}")
+    if section.get("over") != CHAIN_TOKENS:  # the metrics are computed over the active tokens, whatever it says
+        raise ContractError(f"{where}.over must be {CHAIN_TOKENS!r} (what the metrics are computed over), got "
+                            f"{section.get('over')!r}")  # fmt: skip
     clip = section.get("clip_interval")
     interval = f"{where}.clip_interval must be [low, high] with 0 < low < 1 < high, got {clip!r}"
     if not isinstance(clip, (list, tuple)) or len(clip) != 2:

@@ -86,6 +86,14 @@ def test_cross_tp_bitwise_scope_must_be_bitwise(document):
         contract_from_mapping(bad)
 
 
+@pytest.mark.parametrize("over", ["all_tokens", None, ""])
+def test_chain_metrics_over_anything_but_the_active_tokens_is_rejected(document, over):
+    bad = copy.deepcopy(document)
+    bad["chain_logprob_aggregates"]["over"] = over
+    with pytest.raises(ContractError, match=re.escape("chain_logprob_aggregates.over must be 'active_tokens'")):
+        contract_from_mapping(bad)
+
+
 def test_require_all_false_is_rejected(document):
     bad = copy.deepcopy(document)
     bad["chain_logprob_aggregates"]["require_all"] = False
