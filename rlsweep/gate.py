@@ -13,6 +13,7 @@ import os
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
+from functools import cached_property
 from itertools import combinations
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,11 @@ class RunTables:
     @property
     def label(self) -> str:
         return f"{self.run['profile']} tp={self.run['tp']} ({self.run['tp_mode']})"
+
+    @cached_property
+    def sweep(self) -> Path:
+        """The sweep dir this run is a job of, or its own dir: a run outside any sweep is its whole sweep."""
+        return enclosing_sweep(self.directory) or self.directory
 
     @property
     def declarations(self) -> tuple[ExpectedRed, ...]:
@@ -195,19 +201,24 @@ def declaration_check(runs: Sequence[RunTables], sweep_rows: Sequence[dict[str, 
     """Red rows for declarations that select no run, and for the other declarations that match no row of the runs
     they select: sweep rows, and for a judgment of both levels (``BOTH_LEVELS``) the runs' own rows too.
 
+    A declaration selects among the runs of the sweep that declared it (``RunTables.sweep``): under a dir that holds
+    several sweeps, another sweep's runs never stand in for a declaration that selects none of its own.
     Each run already judged its own run-judgment declarations (a red ``expected_red`` row where one matched nothing).
     """
-    seen: dict[str, ExpectedRed] = {}
+    seen: dict[tuple[Path, str], tuple[ExpectedRed, list[RunTables]]] = {}
+    sweeps: dict[Path, list[RunTables]] = {}
     for run in runs:
-        for declaration in run.declarations:
-            seen.setdefault(declaration.describe(), declaration)
+        sweeps.setdefault(run.sweep, []).append(run)
+    for sweep, members in sweeps.items():
+        for declaration in (declaration for run in members for declaration in run.declarations):
+            seen.setdefault((sweep, declaration.describe()), (declaration, members))
     rows = []
-    for declaration in seen.values():
-        selected = [run for run in runs if declaration.applies(run.run["profile"], run.run["tp"])]
+    for declaration, members in seen.values():
+        selected = [run for run in members if declaration.applies(run.run["profile"], run.run["tp"])]
         if not selected:
             verdict = replace(declaration_verdict(declaration, 0, "this sweep"),
                               detail=f"{declaration.describe()} selects no run of this sweep")  # fmt: skip
-            rows += verdict_rows(runs[0], [verdict])
+            rows += verdict_rows(members[0], [verdict])
         elif declaration.judgment not in RUN_JUDGMENTS:
             ids = {run.run["run_id"] for run in selected}
             judged = [row for row in sweep_rows if row["run_id"] in ids]

@@ -454,6 +454,18 @@ def test_a_declaration_that_selects_no_run_is_red(tmp_path):
     assert "selects no run of this sweep" in done.stdout
 
 
+def test_a_declaration_is_judged_against_its_own_sweep_under_a_dir_of_several(tmp_path, capsys):
+    # Under one parent, sweep "control" has the runs the declaration of sweep "stock" selects; "stock" has none.
+    small = ("layout=smoke", "layout.needles=[]", "tp=1", CONTROL_DECLARED)
+    control = multirun(tmp_path / "control", "profile=negative_control_cpu", "layout.cells=[BN/packed,B1/full]", *small)
+    assert control.returncode == ExitCode.GREEN, control.stdout + control.stderr
+    stock = multirun(tmp_path / "stock", "profile=cpu_bf16", "layout.cells=[BN/packed]", *small)
+    assert_not_green(stock, ExitCode.RED)
+    code, output = check(tmp_path, capsys)
+    assert code == ExitCode.RED, output
+    assert "selects no run of this sweep" in output
+
+
 def test_a_sweep_declaration_that_matches_no_tp_row_is_red(tmp_path):
     declaration = "expected_red=[{profiles:[cpu_bf16],judgment:tp_invariance,cells:[nope],reason:typo}]"
     done = multirun(tmp_path, *SMALL, declaration)
