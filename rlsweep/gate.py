@@ -187,19 +187,26 @@ def run_gate(root: str | Path) -> GateResult:
     runs = [load_run(directory) for directory in complete]
     incomplete += changed_inputs(runs) + without_baseline(runs)
     rows: list[dict[str, Any]] = []
+    compared: list[set[str]] = []  # the runs each row is of: its lhs run, and a parity row's rhs run too
     for lhs, earlier in tp_pairs(runs):
-        rows += verdict_rows(lhs, tp_invariance(lhs, earlier))
+        rows += (judged := verdict_rows(lhs, tp_invariance(lhs, earlier)))
+        compared += [{lhs.run["run_id"]}] * len(judged)
     for lhs, rhs in parity_pairs(runs):
-        rows += verdict_rows(lhs, backend_parity(lhs, rhs))
-    rows += declaration_check(runs, rows)
+        rows += (judged := verdict_rows(lhs, backend_parity(lhs, rhs)))
+        compared += [{lhs.run["run_id"], rhs.run["run_id"]}] * len(judged)
+    rows += declaration_check(runs, rows, compared)
     sweep_checks = pd.DataFrame(rows, columns=CHECKS_SCHEMA.names).astype({"passed": bool, "expected_pass": bool})
     run_checks = pd.concat([run.checks for run in runs], ignore_index=True) if runs else sweep_checks.iloc[:0]
     return GateResult(runs, incomplete, sweep_checks, run_checks, scope)
 
 
-def declaration_check(runs: Sequence[RunTables], sweep_rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def declaration_check(
+    runs: Sequence[RunTables], sweep_rows: Sequence[dict[str, Any]], compared: Sequence[set[str]] | None = None
+) -> list[dict[str, Any]]:
     """Red rows for declarations that select no run, and for the other declarations that match no row of the runs
-    they select: sweep rows, and for a judgment of both levels (``BOTH_LEVELS``) the runs' own rows too.
+    they select: sweep rows, and for a judgment of both levels (``BOTH_LEVELS``) the runs' own rows too. A sweep row
+    is of the runs ``compared`` names for it (a parity row: both sides, as ``backend_parity`` applies them), else
+    of its run_id's.
 
     A declaration selects among the runs of the sweep that declared it (``RunTables.sweep``): under a dir that holds
     several sweeps, another sweep's runs never stand in for a declaration that selects none of its own.
@@ -221,7 +228,8 @@ def declaration_check(runs: Sequence[RunTables], sweep_rows: Sequence[dict[str, 
             rows += verdict_rows(members[0], [verdict])
         elif declaration.judgment not in RUN_JUDGMENTS:
             ids = {run.run["run_id"] for run in selected}
-            judged = [row for row in sweep_rows if row["run_id"] in ids]
+            of = compared if compared is not None else [{row["run_id"]} for row in sweep_rows]
+            judged = [row for row, runs_of in zip(sweep_rows, of, strict=True) if runs_of & ids]
             judged += [row for run in selected for row in run.checks[list(DECLARED_BY)].to_dict("records")]
             matched = sum(declaration.declares(*(row[key] for key in DECLARED_BY)) for row in judged)
             if not matched:
@@ -371,8 +379,10 @@ def weight_gradient_tp_invariance(lhs: RunTables, baseline: RunTables, cell: str
 
 
 def backend_parity(lhs: RunTables, rhs: RunTables) -> list[Verdict]:
+    """The canonical cell of two profiles' runs; a row is of both runs, so the declarations that select either apply:
+    which profile is ``lhs`` is only their order by name."""
     verdicts = compare_cell(Judgment.BACKEND_PARITY, lhs, rhs, CANONICAL_CELL, None)
-    return apply_expected(verdicts, lhs.expected_red)
+    return apply_expected(verdicts, [*lhs.expected_red, *rhs.expected_red])
 
 
 def verdict_rows(run: RunTables, verdicts: Sequence[Verdict]) -> list[dict[str, Any]]:

@@ -24,7 +24,16 @@ from safetensors.torch import save_file
 from rlsweep.check import main as check_main
 from rlsweep.discovery import JOBS_FILE, MULTIRUN_FILE, write_job_list
 from rlsweep.exitcodes import ExitCode, combine
-from rlsweep.gate import SUMMARY_FILE, SWEEP_CHECKS_TABLE, run_gate, without_baseline
+from rlsweep.gate import (
+    SUMMARY_FILE,
+    SWEEP_CHECKS_TABLE,
+    backend_parity,
+    declaration_check,
+    parity_pairs,
+    run_gate,
+    verdict_rows,
+    without_baseline,
+)
 from rlsweep.locks import locked
 from rlsweep.manifest import HYDRA_CONFIG, MANIFEST_FILE
 from rlsweep.report import main as report_main
@@ -339,6 +348,19 @@ def test_a_run_whose_inputs_no_smaller_tp_run_computed_is_named_as_unjudged(swee
     moved = replace(runs[1], run={**runs[1].run, "workload_hash": "other"})
     (line,) = without_baseline([runs[0], moved])
     assert line.startswith(f"{moved.directory}: cpu_bf16 tp=2 (emulated) computed other inputs") and "tp=1" in line
+
+
+def test_a_parity_declaration_applies_to_the_rows_of_either_profile(sweep):
+    # A parity row is kept under the profile first by name; a declaration that selects the other is about it too.
+    declared = [{"profiles": ["zz_control"], "judgment": "backend_parity", "reason": "control"}]
+    stock = min(run_gate(sweep).runs, key=lambda run: run.run["tp"])
+    stock = replace(stock, config={**stock.config, "expected_red": declared})
+    control = replace(stock, run={**stock.run, "profile": "zz_control", "run_id": "zz"})
+    ((lhs, rhs),) = parity_pairs([control, stock])
+    assert (lhs.run["profile"], rhs.run["profile"]) == ("cpu_bf16", "zz_control")
+    rows = verdict_rows(lhs, backend_parity(lhs, rhs))
+    assert rows and not any(row["expected_pass"] for row in rows)
+    assert declaration_check([stock, control], rows, [{"zz", stock.run["run_id"]}] * len(rows)) == []
 
 
 def test_a_full_disk_is_one_line_and_leaves_no_table(tmp_path):
