@@ -71,6 +71,11 @@ class RunTables:
         return f"{self.run['profile']} tp={self.run['tp']} ({self.run['tp_mode']})"
 
     @cached_property
+    def cells(self) -> frozenset[str]:
+        """The layout cells this run computed tokens of."""
+        return frozenset(self.tokens["cell"].unique())
+
+    @cached_property
     def sweep(self) -> Path:
         """The sweep dir this run is a job of, or its own dir: a run outside any sweep is its whole sweep."""
         return enclosing_sweep(self.directory) or self.directory
@@ -313,7 +318,7 @@ def tp_invariance(lhs: RunTables, earlier: Sequence[RunTables]) -> list[Verdict]
     scope = lhs.config["profile"]["determinism_scope"]
     verdicts = []
     for cell in lhs.tokens["cell"].unique():
-        computed = [run for run in earlier if cell in set(run.tokens["cell"])]
+        computed = [run for run in earlier if cell in run.cells]  # cells read once per run: a group may hold many
         if not computed:
             continue
         verdicts += compare_cell(Judgment.TP_INVARIANCE, lhs, computed[0], cell, scope)

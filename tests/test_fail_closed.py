@@ -31,6 +31,8 @@ from rlsweep.gate import (
     declaration_check,
     parity_pairs,
     run_gate,
+    tp_invariance,
+    tp_pairs,
     verdict_rows,
     without_baseline,
 )
@@ -361,6 +363,31 @@ def test_a_parity_declaration_applies_to_the_rows_of_either_profile(sweep):
     rows = verdict_rows(lhs, backend_parity(lhs, rhs))
     assert rows and not any(row["expected_pass"] for row in rows)
     assert declaration_check([stock, control], rows, [{"zz", stock.run["run_id"]}] * len(rows)) == []
+
+
+class CellReads(pd.DataFrame):
+    """A tokens table that counts how often its cell column is read (frames made from it are plain)."""
+
+    reads = 0
+
+    @property
+    def _constructor(self):
+        return pd.DataFrame
+
+    def __getitem__(self, key):
+        CellReads.reads += isinstance(key, str) and key == "cell"
+        return super().__getitem__(key)
+
+
+def test_the_gate_reads_each_runs_cells_a_bounded_number_of_times_however_many_runs_a_group_holds(sweep):
+    # Reading every earlier run's cells for each cell of each run made a group of 50 runs quadratic in its tokens.
+    base = run_gate(sweep).runs[0]
+    runs = [replace(base, directory=sweep / f"x{i}", run={**base.run, "tp": 1 + i % 4, "run_id": str(i)},
+                    tokens=CellReads(base.tokens)) for i in range(40)]  # fmt: skip
+    CellReads.reads = 0
+    judged = sum(len(tp_invariance(lhs, earlier)) for lhs, earlier in tp_pairs(runs))
+    assert judged == 2 * len(base.tokens["cell"].unique()) * 39
+    assert CellReads.reads <= 5 * len(runs) * len(base.tokens["cell"].unique()), CellReads.reads
 
 
 def test_a_full_disk_is_one_line_and_leaves_no_table(tmp_path):
