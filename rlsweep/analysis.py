@@ -112,7 +112,11 @@ def tokens_frame(tables: Sequence[tuple[Path, pd.DataFrame]]) -> pd.DataFrame:
 def checks_frame(
     run_tables: Sequence[tuple[Path, pd.DataFrame]], sweep_tables: Sequence[tuple[Path, pd.DataFrame]] = ()
 ) -> pd.DataFrame:
-    """Run and sweep checks -> one frame; a sweep row's run_dir is its lhs run's dir (by run_id, same sweep)."""
+    """Run and sweep checks -> one frame; a sweep row's run_dir is its lhs run's dir (by run_id, same sweep).
+
+    A gate over a dir of several sweeps judges each sweep's runs again: a verdict that its table and the sweep's own
+    both hold, the same in every column, is one row, not two.
+    """
     parts = [table.assign(**{LEVEL: RUN_LEVEL, RUN_DIR: str(directory)}) for directory, table in run_tables]
     for sweep_dir, table in sweep_tables:
         owners = {
@@ -130,6 +134,9 @@ def checks_frame(
                 f"python -m rlsweep.check {sweep_dir} writes this sweep's"
             )
         parts.append(table.assign(**{LEVEL: SWEEP_LEVEL, RUN_DIR: run_dir}))
+    if len(sweep_tables) > 1:
+        sweep_rows = pd.concat(parts[len(run_tables) :], ignore_index=True)
+        parts[len(run_tables) :] = [sweep_rows[~sweep_rows.astype(str).duplicated()]]
     parts = [part for part in parts if len(part)]  # concat of empty frames would blur the dtypes
     frame = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=[*CHECKS_SCHEMA.names])
     return normalize(frame, CHECKS_SCHEMA)

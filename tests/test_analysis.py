@@ -12,6 +12,7 @@ import pytest
 from rlsweep_fixtures import table_file
 
 from rlsweep import analysis
+from rlsweep.check import main as check_main
 from rlsweep.errors import SelectionError, TablesNotFoundError
 from rlsweep.gate import SWEEP_CHECKS_TABLE, VERDICT_COUNTS
 from rlsweep.layouts import CANONICAL_CELL
@@ -191,6 +192,19 @@ def test_sweep_rows_of_runs_not_loaded_are_refused(small_sweep, tmp_path):
     )
     with pytest.raises(TableError, match=rf"{SWEEP_CHECKS_TABLE}.*0123456789abcdef"):
         analysis.load_checks(sweep_dir)
+
+
+def test_a_sweep_checked_again_from_its_parent_dir_counts_each_verdict_once(small_sweep, checks, tmp_path):
+    # The parent's gate judges the sweep's runs again: its table and the sweep's own hold the same verdicts.
+    sweep_dir = tmp_path / "sweep"
+    shutil.copytree(small_sweep, sweep_dir, ignore=shutil.ignore_patterns(".rlsweep.lock"))
+    assert check_main([str(tmp_path)]) == 2
+    assert (tmp_path / SWEEP_CHECKS_TABLE).is_file()
+    again = analysis.load_checks(tmp_path)
+    assert (again[analysis.LEVEL] == analysis.SWEEP_LEVEL).sum() == (
+        checks[analysis.LEVEL] == analysis.SWEEP_LEVEL
+    ).sum()
+    assert analysis.summary(again).equals(analysis.summary(checks))
 
 
 DLOGP_FRAME = pd.DataFrame({"dlogp": [0.5, -2.0]})
