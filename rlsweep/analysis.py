@@ -26,7 +26,7 @@ import torch
 import kernels
 from rlsweep.discovery import discover
 from rlsweep.errors import SelectionError, TablesNotFoundError
-from rlsweep.gate import COMPARABLE_COLUMNS, SWEEP_CHECKS_TABLE, baseline_order, count_verdicts
+from rlsweep.gate import COMPARABLE_COLUMNS, SWEEP_CHECKS_TABLE, baseline_order, count_verdicts, sweep_of
 from rlsweep.manifest import MANIFEST_FILE, verify_run
 from rlsweep.spec import CANONICAL_CELL
 from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, TOKENS_SCHEMA, TOKENS_TABLE, TableError, read_table
@@ -313,7 +313,8 @@ def worst_tokens(diffs: pd.DataFrame, n: int = 10) -> pd.DataFrame:
 def baseline_runs(tokens: pd.DataFrame) -> pd.DataFrame:
     """One row per run: RUN_GROUP columns, tp, tp_mode, run_dir and ``baseline`` (the group's smallest tp run).
 
-    The baseline is chosen as the gate chooses the tp_invariance baseline: smallest tp, emulated first.
+    The baseline is chosen as the gate chooses the tp_invariance baseline: within the run's sweep
+    (``rlsweep.gate.sweep_of``), smallest tp, emulated first.
     """
     require_frame(tokens, TOKEN_COLUMNS, "a load_tokens frame")
     if not len(tokens):
@@ -321,7 +322,8 @@ def baseline_runs(tokens: pd.DataFrame) -> pd.DataFrame:
     runs = tokens[[*RUN_GROUP, "tp", "tp_mode", RUN_DIR]].drop_duplicates().astype({RUN_DIR: str, "tp_mode": str})
     order = [baseline_order(*key) for key in zip(runs["tp"], runs["tp_mode"], runs[RUN_DIR], strict=True)]
     runs = runs.iloc[sorted(range(len(runs)), key=order.__getitem__)]
-    runs["baseline"] = runs.groupby(list(RUN_GROUP), observed=True)[RUN_DIR].transform("first")
+    sweeps = runs[RUN_DIR].map(lambda directory: str(sweep_of(Path(directory))))  # the gate's groups are per sweep
+    runs["baseline"] = runs.groupby([sweeps, *RUN_GROUP], observed=True)[RUN_DIR].transform("first")
     return runs.reset_index(drop=True)
 
 

@@ -24,7 +24,7 @@ import torch
 
 import kernels
 from rlsweep.contract import Contract, contract_from_mapping, op_class
-from rlsweep.discovery import discover, enclosing_sweep
+from rlsweep.discovery import discover, enclosing_sweep, lexical
 from rlsweep.errors import OutputDirError, TablesNotFoundError
 from rlsweep.exitcodes import ExitCode, combine
 from rlsweep.judgments import apply_expected, compare_tokens, declaration_verdict
@@ -78,7 +78,7 @@ class RunTables:
     @cached_property
     def sweep(self) -> Path:
         """The sweep dir this run is a job of, or its own dir: a run outside any sweep is its whole sweep."""
-        return enclosing_sweep(self.directory) or self.directory
+        return sweep_of(self.directory)
 
     @property
     def declarations(self) -> tuple[ExpectedRed, ...]:
@@ -242,9 +242,16 @@ def declaration_check(
     return rows
 
 
+def sweep_of(directory: Path) -> Path:
+    """The sweep dir a run dir is a job of, or the run dir itself (absolute, ``..`` resolved by name): runs are
+    compared only within one sweep, so a run outside any sweep is compared with no other, and under a dir of several
+    sweeps each is judged on its own (not one commit's or machine's runs against another's, as if tp differed)."""
+    return lexical(enclosing_sweep(directory) or directory)
+
+
 def sweep_group(run: RunTables) -> tuple:
-    """What must be equal for two runs' tokens to be comparable (COMPARABLE_COLUMNS)."""
-    return tuple(run.run[column] for column in COMPARABLE_COLUMNS)
+    """What must be equal for two runs' tokens to be comparable: their sweep, and their inputs (COMPARABLE_COLUMNS)."""
+    return (run.sweep, *(run.run[column] for column in COMPARABLE_COLUMNS))
 
 
 def baseline_order(tp: int, tp_mode: str, directory: str) -> tuple:

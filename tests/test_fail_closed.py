@@ -21,6 +21,7 @@ import torch
 from rlsweep_fixtures import multirun, run_rlsweep, table_file, tables_left, with_fault
 from safetensors.torch import save_file
 
+from rlsweep import analysis
 from rlsweep.check import main as check_main
 from rlsweep.discovery import JOBS_FILE, MULTIRUN_FILE, write_job_list
 from rlsweep.exitcodes import ExitCode, combine
@@ -90,6 +91,20 @@ def test_exit_codes_have_one_meaning_and_error_wins_over_incomplete_over_red():
 def test_the_untouched_sweep_is_green(sweep, capsys):
     code, output = check(sweep, capsys)
     assert code == ExitCode.GREEN, output
+
+
+def test_under_a_dir_of_several_sweeps_each_is_judged_on_its_own(green_sweep, tmp_path, capsys):
+    # Two sweeps of the same config (say two commits' runs under outputs/): a tp=1 run of one is no tp baseline for
+    # the other's, and the report's baselines follow the gate's.
+    for name in ("a", "b"):
+        shutil.copytree(green_sweep, tmp_path / name, ignore=shutil.ignore_patterns(".rlsweep.lock", "sweep_checks*"))
+    code, output = check(tmp_path, capsys)
+    assert code == ExitCode.GREEN, output
+    rows = pd.read_parquet(tmp_path / SWEEP_CHECKS_TABLE)
+    alone = pd.read_parquet(green_sweep / SWEEP_CHECKS_TABLE)
+    assert set(rows["tp"]) == {2} and len(rows) == 2 * len(alone), rows[["tp", "judgment", "detail"]]
+    runs = analysis.baseline_runs(analysis.load_tokens(tmp_path))
+    assert [Path(d).parent.name for d in runs["run_dir"]] == [Path(d).parent.name for d in runs["baseline"]]
 
 
 @pytest.mark.parametrize("table", [TOKENS_TABLE, CHECKS_TABLE, MANIFEST_FILE])
