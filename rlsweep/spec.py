@@ -118,10 +118,11 @@ class ModelSpec:
     weight_sha256: str | None = None  # pin: a different weight hash is a red verdict
 
     def __post_init__(self) -> None:
-        for key, limit in (("hidden_size", MAX_HIDDEN_SIZE), ("vocab_size", MAX_VOCAB_SIZE)):
+        # A vocab of one token gives every kernel logp 0: its logp verdicts could not fail.
+        for key, least, limit in (("hidden_size", 1, MAX_HIDDEN_SIZE), ("vocab_size", 2, MAX_VOCAB_SIZE)):
             value = getattr(self, key)
-            if not 1 <= value <= limit:
-                raise ConfigError(f"model.{key}={value!r} is outside [1, {limit}] (model {self.name!r})")
+            if not least <= value <= limit:
+                raise ConfigError(f"model.{key}={value!r} is outside [{least}, {limit}] (model {self.name!r})")
         padded = self.padded_vocab_size
         if padded is not None and not self.vocab_size <= padded <= MAX_VOCAB_SIZE:
             raise ConfigError(

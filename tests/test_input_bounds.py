@@ -199,7 +199,8 @@ ABSURD_SIZES = {
         [f"model.hidden_size={MAX_HIDDEN_SIZE + 1}"],
         f"model.hidden_size={MAX_HIDDEN_SIZE + 1} is outside [1, {MAX_HIDDEN_SIZE}]",
     ),
-    "vocab_size 1e8": (["model.vocab_size=100000000"], f"model.vocab_size=100000000 is outside [1, {MAX_VOCAB_SIZE}]"),
+    "vocab_size 1e8": (["model.vocab_size=100000000"], f"model.vocab_size=100000000 is outside [2, {MAX_VOCAB_SIZE}]"),
+    "vocab_size 1": (["model.vocab_size=1"], f"model.vocab_size=1 is outside [2, {MAX_VOCAB_SIZE}]"),
     "padded vocab below vocab": (["model.padded_vocab_size=3000"], "model.padded_vocab_size=3000 is outside"),
     "vocab_tile too large": (
         [f"profile.vocab_tile={MAX_VOCAB_TILE * 2}"],
