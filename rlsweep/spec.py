@@ -151,6 +151,13 @@ class ExpectedRed:
                     f"expected_red {{judgment: {self.judgment}, reason: {self.reason}}}: {selector}=[] selects "
                     f"nothing; list at least one, or leave {selector} out for every {selector.removesuffix('s')}"
                 )
+        # A degree no run can have selects nothing, like an empty list: refused before the run, not red after it.
+        for degree in self.tp or ():
+            if not 1 <= degree <= MAX_TP:
+                raise ConfigError(
+                    f"expected_red {{judgment: {self.judgment}, reason: {self.reason}}}: tp={degree!r} is no tp "
+                    f"degree a run can have; use 1 <= tp <= {MAX_TP}"
+                )
 
     def applies(self, profile: str, tp: int) -> bool:
         """Whether its profile patterns and tp list select a run of ``profile`` at ``tp``."""

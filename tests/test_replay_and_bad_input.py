@@ -23,6 +23,7 @@ from rlsweep.config import (
 )
 from rlsweep.contract import load_contract, op_class
 from rlsweep.errors import ConfigError, ContractError, OutputDirError, ReplayInputError, RlsweepError
+from rlsweep.spec import MAX_TP
 from rlsweep.tables import TOKENS_TABLE
 
 HIDDEN, VOCAB, SEQ_LENS = 32, 1500, [6, 9, 5]
@@ -183,6 +184,15 @@ def test_an_empty_selector_of_a_declaration_is_refused(where, selector):
     declaration = f"{where}=[{{judgment: forward_invariance, {selector}: [], reason: x}}]"
     with pytest.raises(ConfigError, match=re.escape(f"{selector}=[] selects nothing")):
         run_spec(compose_run("profile=negative_control_cpu", "layout=smoke", declaration))
+
+
+# A tp degree no run can have selects nothing too: refused before any kernel, not a red row after the sweep.
+@pytest.mark.parametrize("where", ["expected_red", "profile.expected_red"])
+@pytest.mark.parametrize("degree", [0, -1, MAX_TP + 1])
+def test_a_declaration_of_a_tp_no_run_can_have_is_refused(where, degree):
+    declaration = f"{where}=[{{judgment: tp_invariance, tp: [1, {degree}], reason: x}}]"
+    with pytest.raises(ConfigError, match=re.escape(f"tp={degree} is no tp degree a run can have; use 1 <= tp <= ")):
+        run_spec(compose_run("layout=smoke", declaration))
 
 
 @pytest.mark.parametrize("tp", [1, 2])
