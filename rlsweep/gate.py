@@ -41,7 +41,16 @@ from rlsweep.tables import (
     read_table,
     write_tables,
 )
-from rlsweep.verdicts import FORWARD_TENSORS, REPORTED_ONLY, RUN_JUDGMENTS, Judgment, Tensor, Verdict, as_expected
+from rlsweep.verdicts import (
+    FORWARD_TENSORS,
+    GRAD_ONLY,
+    REPORTED_ONLY,
+    RUN_JUDGMENTS,
+    Judgment,
+    Tensor,
+    Verdict,
+    as_expected,
+)
 
 SWEEP_CHECKS_TABLE = "sweep_checks.parquet"
 SUMMARY_FILE = "summary.md"
@@ -215,7 +224,8 @@ def declaration_check(
 
     A declaration selects among the runs of the sweep that declared it (``RunTables.sweep``): under a dir that holds
     several sweeps, another sweep's runs never stand in for a declaration that selects none of its own.
-    Each run already judged its own run-judgment declarations (a red ``expected_red`` row where one matched nothing).
+    Each run already judged its own run-judgment declarations (a red ``expected_red`` row where one matched nothing),
+    but a grad=false run not those of ``GRAD_ONLY`` judgments: one that no selected run judged is red here.
     """
     seen: dict[tuple[Path, str], tuple[ExpectedRed, list[RunTables]]] = {}
     sweeps: dict[Path, list[RunTables]] = {}
@@ -231,7 +241,14 @@ def declaration_check(
             verdict = replace(declaration_verdict(declaration, 0, "this sweep"),
                               detail=f"{declaration.describe()} selects no run of this sweep")  # fmt: skip
             rows += verdict_rows(members[0], [verdict])
-        elif declaration.judgment not in RUN_JUDGMENTS:
+        elif declaration.judgment in RUN_JUDGMENTS:
+            # Each selected run judged it, except a run with no row of a GRAD_ONLY judgment (grad=false); where
+            # every selected run is such a run, none did, so the gate does.
+            if declaration.judgment in GRAD_ONLY and not any(
+                (run.checks["judgment"] == declaration.judgment).any() for run in selected
+            ):
+                rows += verdict_rows(selected[0], [declaration_verdict(declaration, 0, "this sweep")])
+        else:
             ids = {run.run["run_id"] for run in selected}
             of = compared if compared is not None else [{row["run_id"]} for row in sweep_rows]
             judged = [row for row, runs_of in zip(sweep_rows, of, strict=True) if runs_of & ids]

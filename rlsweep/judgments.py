@@ -20,6 +20,7 @@ from rlsweep.mismatch import METRICS, ActiveTokens
 from rlsweep.spec import CHAIN_ROLES, DECODE_CELL, DECODE_PARITY_ROLES, ExpectedRed, RunSpec
 from rlsweep.verdicts import (
     FORWARD_TENSORS,
+    GRAD_ONLY,
     GRADIENT_TENSORS,
     NO_CELL,
     REPORTED_ONLY,
@@ -356,17 +357,19 @@ def declaration_rows(
 ) -> list[Verdict]:
     """Red rows for the declarations a run of ``profile`` at ``tp`` can judge and that match none of its verdicts.
 
-    In a sweep the run judges the declarations of run judgments that select it; the gate judges the rest.
+    In a sweep the run judges the declarations of run judgments that select it, but not those of ``GRAD_ONLY``
+    judgments where it judged none (a ``grad=false`` job of a sweep over ``grad``); the gate judges the rest.
     A run on its own is its whole sweep: every declaration must select it and match one of its verdicts.
     """
     scope = "this run"
+    judged = {verdict.judgment for verdict in verdicts} | (set(RUN_JUDGMENTS) - set(GRAD_ONLY))
     rows = []
     for declaration in declarations:
         selects = declaration.applies(profile, tp)
         if not selects and standalone:
             rows.append(replace(declaration_verdict(declaration, 0, scope), detail=f"{declaration.describe()} "
                                 "selects no run: its profiles/tp exclude this one"))  # fmt: skip
-        elif selects and (declaration.judgment in RUN_JUDGMENTS or standalone):
+        elif selects and (standalone or (declaration.judgment in RUN_JUDGMENTS and declaration.judgment in judged)):
             rows += unmatched_declarations(verdicts, [declaration], scope)
     return rows
 

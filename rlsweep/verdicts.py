@@ -49,6 +49,7 @@ RUN_JUDGMENTS = (
 SWEEP_JUDGMENTS = (Judgment.TP_INVARIANCE, Judgment.BACKEND_PARITY)
 BOTH_LEVELS = (Judgment.GRADIENT_INVARIANCE,)  # judged within a run (across cells) and by the gate (across tp)
 DECLARABLE = RUN_JUDGMENTS + SWEEP_JUDGMENTS + BOTH_LEVELS  # what an expected_red declaration may name
+GRAD_ONLY = (Judgment.GRADIENT_ACCURACY,)  # run judgments that only a grad=true run judges
 NO_CELL = ""  # lhs_cell/rhs_cell of verdicts that are not about a cell (contract, weight pin)
 # The detail's start of a chain row the contract has no row for: threshold NaN, passed and expected_pass true.
 REPORTED_ONLY = "reported, not judged"

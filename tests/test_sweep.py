@@ -220,6 +220,20 @@ def test_sweep_declarations_apply_only_to_their_profiles_and_tp(tmp_path):
     }
 
 
+# A grad=false job has no gradient verdicts: it leaves a gradient declaration to the jobs that judged gradients, and
+# the gate finds it red only where no selected job did.
+@pytest.mark.parametrize(("grad", "code"), [("false,true", 0), ("false", 2)])
+def test_a_gradient_declaration_of_a_sweep_over_grad_is_judged_by_the_jobs_that_judged_gradients(tmp_path, grad, code):
+    declaration = "expected_red=[{profiles:[negative*],judgment:gradient_accuracy,reason:x}]"
+    done = multirun(tmp_path, "profile=negative_control_cpu", "layout=smoke", "layout.cells=[BN/packed]",
+                    "layout.needles=[]", "tp=1", f"grad={grad}", declaration)  # fmt: skip
+    assert done.returncode == code, done.stdout + done.stderr
+    checks = pd.read_parquet(tmp_path / CHECKS_TABLE)
+    assert not (checks["judgment"] == "expected_red").any()
+    if code:
+        assert "gradient_accuracy" in done.stdout and "matched 0 verdict(s) of this sweep" in done.stdout
+
+
 def test_distributed_gloo_ranks_inside_a_sweep_match_emulated_bitwise(tmp_path):
     done = multirun(tmp_path, "profile=triton_cpu_bf16", "layout=smoke", "profile.vocab_tile=1024", "tp=2",
                     "tp_mode=emulated,distributed")  # fmt: skip
