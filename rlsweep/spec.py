@@ -242,6 +242,18 @@ class WorkloadSpec:
         if self.source == "replay":
             if not self.path:
                 raise ConfigError("workload=replay needs workload.path (a local .safetensors file)")
+            # The file gives the hidden states and lengths: a synthetic setting here would change nothing, so a
+            # sweep over it would judge the same tokens twice as if it had tried two workloads.
+            for key, value, unset in (
+                ("hidden_scale", self.hidden_scale, 1.0),
+                ("seq_lens", list(self.seq_lens), []),
+                ("prompt_lens", list(self.prompt_lens), []),
+            ):
+                if value != unset:
+                    raise ConfigError(
+                        f"workload.{key}={value!r} applies to synthetic workloads only; workload {self.name!r} "
+                        f"replays {self.path!r}, whose file gives them: leave workload.{key} unset"
+                    )
             return
         self.check_lengths()
         check_scale("workload.hidden_scale", self.hidden_scale, MIN_HIDDEN_SCALE, MAX_HIDDEN_SCALE)

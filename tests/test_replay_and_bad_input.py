@@ -174,6 +174,15 @@ def test_a_key_nothing_reads_is_refused_naming_the_valid_keys(group):
     assert valid.split(", ") == [field.name for field in fields(schema)]
 
 
+# A replay's file gives its hidden states and lengths: a synthetic key set beside it is refused, not ignored.
+@pytest.mark.parametrize("override", ["workload.hidden_scale=2", "workload.seq_lens=[4]", "workload.prompt_lens=[1]"])
+def test_a_synthetic_workload_key_of_a_replay_is_refused(tmp_path, override):
+    replay = replay_run(tmp_path, replay_tensors())
+    with pytest.raises(ConfigError, match=re.escape(f"workload.{override.split('.')[1].split('=')[0]}=")):
+        run_spec(compose_run(*replay, override))
+    run_spec(compose_run(*replay))
+
+
 # An empty selector list selects nothing; omitting the key is how a declaration says "every" (docs/sweeps.md).
 SELECTORS = ("profiles", "tp", "cells", "tensors")
 
