@@ -166,13 +166,17 @@ BAD_SHAPES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(BAD_SHAPES))
-def test_a_roles_or_metrics_section_of_the_wrong_shape_is_refused_by_name(document, case):
-    change, message = BAD_SHAPES[case]
+def assert_refused(document, change, message):
+    """``change`` applied to a copy of ``document`` makes it a contract refused with ``message``."""
     bad = copy.deepcopy(document)
     change(bad)
     with pytest.raises(ContractError, match=re.escape(message)):
         contract_from_mapping(bad)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SHAPES))
+def test_a_roles_or_metrics_section_of_the_wrong_shape_is_refused_by_name(document, case):
+    assert_refused(document, *BAD_SHAPES[case])
 
 
 @pytest.fixture(scope="module")
@@ -210,11 +214,7 @@ FIGURES_THAT_CANNOT_FAIL = {
 
 @pytest.mark.parametrize("case", sorted(FIGURES_THAT_CANNOT_FAIL))
 def test_a_figure_no_value_can_exceed_is_refused(v1_document, case):
-    change, message = FIGURES_THAT_CANNOT_FAIL[case]
-    bad = copy.deepcopy(v1_document)
-    change(bad)
-    with pytest.raises(ContractError, match=re.escape(message)):
-        contract_from_mapping(bad)
+    assert_refused(v1_document, *FIGURES_THAT_CANNOT_FAIL[case])
 
 
 def test_figures_just_below_the_ceiling_are_accepted(v1_document):
