@@ -170,8 +170,8 @@ CALLER = f"""
 import sys, time
 import kernels
 with kernels.distributed_ranks("aten", kernels.ShardingSpec.even({VOCAB}, {TILE}, 2), "cpu") as group:
-    print(*[rank.pid for rank in group._ranks], group._workdir.name, flush=True)
-    try:
+    try:  # printed inside the try: the test sends Ctrl-C as soon as it reads the line
+        print(*[rank.pid for rank in group._ranks], group._workdir.name, flush=True)
         time.sleep(60)
     except KeyboardInterrupt:
         print("interrupted", flush=True)
@@ -242,6 +242,9 @@ from kernels import distributed
 distributed.COLLECTIVE_TIMEOUT, distributed.STOP_SECONDS = timedelta(seconds=2), 1.0
 hidden, weight, targets = torch.randn(6, 16), torch.randn({VOCAB}, 16), torch.randint(0, {VOCAB}, (6,))
 with kernels.distributed_ranks("aten", kernels.ShardingSpec.even({VOCAB}, {TILE}, 2), "cpu") as group:
+    # SIGSTOP stops every thread of the rank, its queue's writer too, which a rank stuck in a kernel would not: stopped
+    # while that thread still held the replies queue's lock after the rank's join reply, it blocks its peers' replies.
+    time.sleep(1.0)
     os.kill(group._ranks[1].pid, signal.SIGSTOP)
     try:
         kernels.lm_head_logprob(hidden, weight, targets, backend="aten", tp=2, tp_mode="distributed", vocab_tile={TILE})
