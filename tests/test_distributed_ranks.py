@@ -265,7 +265,9 @@ def test_a_rank_that_hangs_fails_its_peers_collective_and_the_call_after_the_col
     assert error.startswith("distributed rank 0 failed while serving a forward call") and "Timed out" in error, (
         done.stdout + done.stderr
     )
-    assert codes == "exit codes 0 -9", done.stdout
+    # The hung rank is killed as the group closes; rank 0 stops on its own, or is killed too on a host too busy for it
+    # to stop within the test's STOP_SECONDS.
+    assert codes in ("exit codes 0 -9", "exit codes -9 -9"), done.stdout
 
 
 # Calls on one group from several threads at once (asyncio.to_thread copies the context, the open group with it).
