@@ -149,9 +149,8 @@ def changed_inputs(runs: Sequence[RunTables]) -> list[str]:
     """
     contents: dict[tuple[Path, str, str], dict[str, list[RunTables]]] = {}
     for run in runs:
-        sweep = enclosing_sweep(run.directory)
-        for name, path in input_paths(run.config).items() if sweep is not None else ():
-            contents.setdefault((sweep, name, path), {}).setdefault(run.inputs.get(name, "none"), []).append(run)
+        for name, path in input_paths(run.config).items():
+            contents.setdefault((run.sweep, name, path), {}).setdefault(run.inputs.get(name, "none"), []).append(run)
     lines = []
     for (sweep, name, path), by_hash in contents.items():
         if len(by_hash) > 1:
@@ -172,9 +171,8 @@ def without_baseline(runs: Sequence[RunTables]) -> list[str]:
     same inputs as (``sweep_group``): it would go without its tp verdicts, so the sweep is incomplete. Inputs do not
     depend on tp, so this means they changed during the sweep (``changed_inputs`` names a file that did)."""
     by_profile: dict[tuple[Path, str], list[RunTables]] = {}
-    for run in runs:
-        if (sweep := enclosing_sweep(run.directory)) is not None:
-            by_profile.setdefault((sweep, run.run["profile"]), []).append(run)
+    for run in runs:  # a run outside any sweep is its own sweep (``sweep_of``): its own baseline
+        by_profile.setdefault((run.sweep, run.run["profile"]), []).append(run)
     lines = []
     for (sweep, profile), members in by_profile.items():
         smallest = min(run.run["tp"] for run in members)
