@@ -39,6 +39,7 @@ class Session:
 
     code: ExitCode | None = None
     sweep_dir: Path | None = None
+    sweep_job_ran: bool = False  # a sweep's job ran in this process: its sweep must have been recorded to be gated
 
 
 SESSION = Session()

@@ -284,6 +284,17 @@ def test_a_gate_that_raises_ends_the_sweep_with_exit_1(tmp_path):
     assert "rlsweep: error: RuntimeError: injected gate fault" in done.stderr
 
 
+def test_a_sweep_whose_start_callback_never_recorded_it_is_exit_1_not_green(tmp_path):
+    # Hydra turns a callback's exception into a warning and runs the jobs; with no sweep recorded, no gate ran and
+    # the sweep ended 0.
+    fault = "import rlsweep.callbacks as c\nc.RlsweepCallback.on_multirun_start = lambda *a, **k: 1 / 0"
+    done = with_fault(fault, "rlsweep", f"hydra.sweep.dir={tmp_path}", *SMALL, "--multirun")
+    assert done.returncode == ExitCode.ERROR and "sweep gate:" not in done.stdout, done.stdout + done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        "rlsweep: error: the sweep's jobs ran but its start callback did not record the sweep, so no gate judged it"
+    )
+
+
 def test_a_gate_that_cannot_write_its_tables_ends_with_exit_1(tmp_path):
     (tmp_path / "sweep_checks.parquet").mkdir()  # the gate's own table cannot be written
     done = multirun(tmp_path, "profile=negative_control_cpu", "layout=smoke", "tp=1,2")
