@@ -43,7 +43,7 @@ def app(cfg: DictConfig) -> None:
         location = RunLocation.single(Path(cfg.tables_dir or hydra_cfg.runtime.output_dir))
         SESSION.code = guarded(PROG, lambda: run_at(cfg, location, resume=False, standalone=True))
         return
-    SESSION.sweep_job_ran = True
+    SESSION.multirun = True
     try:
         require_callback()
         if cfg.tables_dir is not None:
@@ -67,7 +67,7 @@ def command() -> ExitCode:
     app()
     if SESSION.sweep_dir is not None:
         return gate_directory(SESSION.sweep_dir)
-    if SESSION.sweep_job_ran:  # the sweep's start callback never recorded it: nothing would gate its jobs
+    if SESSION.multirun:  # the sweep's start callback never recorded it: nothing would gate its jobs
         raise RlsweepError("the sweep's jobs ran but its start callback did not record the sweep, so no gate judged it")
     return SESSION.code if SESSION.code is not None else ExitCode.GREEN
 

@@ -39,7 +39,8 @@ class Session:
 
     code: ExitCode | None = None
     sweep_dir: Path | None = None
-    sweep_job_ran: bool = False  # a sweep's job ran in this process: its sweep must have been recorded to be gated
+    # A multirun ran in this process (a job of it here, or its end under any launcher): it must have been recorded.
+    multirun: bool = False
 
 
 SESSION = Session()
@@ -123,6 +124,9 @@ class RlsweepCallback(Callback):
             SESSION.sweep_dir = sweep_dir
 
         fatal(start)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        SESSION.multirun = True  # in the launching process, whichever launcher ran the jobs and wherever
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if HydraConfig.get().mode.name != "MULTIRUN":

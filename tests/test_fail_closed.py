@@ -284,11 +284,15 @@ def test_a_gate_that_raises_ends_the_sweep_with_exit_1(tmp_path):
     assert "rlsweep: error: RuntimeError: injected gate fault" in done.stderr
 
 
-def test_a_sweep_whose_start_callback_never_recorded_it_is_exit_1_not_green(tmp_path):
+JOBLIB = ("hydra/launcher=joblib", "hydra.launcher.n_jobs=2")  # two workers: the jobs run in other processes
+
+
+@pytest.mark.parametrize("launcher", [(), JOBLIB], ids=["basic", "joblib"])
+def test_a_sweep_whose_start_callback_never_recorded_it_is_exit_1_not_green(tmp_path, launcher):
     # Hydra turns a callback's exception into a warning and runs the jobs; with no sweep recorded, no gate ran and
-    # the sweep ended 0.
+    # the sweep ended 0. Under joblib the jobs run in other processes: the launching one must know all the same.
     fault = "import rlsweep.callbacks as c\nc.RlsweepCallback.on_multirun_start = lambda *a, **k: 1 / 0"
-    done = with_fault(fault, "rlsweep", f"hydra.sweep.dir={tmp_path}", *SMALL, "--multirun")
+    done = with_fault(fault, "rlsweep", f"hydra.sweep.dir={tmp_path}", *SMALL, *launcher, "--multirun")
     assert done.returncode == ExitCode.ERROR and "sweep gate:" not in done.stdout, done.stdout + done.stderr
     assert done.stderr.splitlines()[-1] == (
         "rlsweep: error: the sweep's jobs ran but its start callback did not record the sweep, so no gate judged it"
