@@ -51,6 +51,13 @@ ANY_OP_CLASS = "*"  # a row written directly under its dtype (v1) serves every o
 # Every key the loader knows, per section: anything else is a typo that would silently weaken a row.
 TOP_KEYS = ("version", PIN_KEY, "dtype_policy", "comparison_roles", "judgments", "chain_logprob_aggregates")
 DTYPE_POLICY_KEYS = ("execution_dtype", "accumulation_dtype", "reference_dtype", "tf32", "fp8")
+# What every run does, whatever its contract says: a policy that said otherwise would record one it did not follow.
+IMPLEMENTED_POLICY = {
+    "accumulation_dtype": "float32",
+    "reference_dtype": "float64",
+    "tf32": "disabled",
+    "fp8": "out_of_scope",
+}
 ROLES_KEYS = ("roles", "judgments", "forbidden")
 ROW_KEYS = ("atol", "rtol", "mode")
 ROLE_PAIR_KEYS = ("lhs", "rhs")
@@ -255,6 +262,19 @@ def reject_unknown(section: Any, known: Sequence[str], where: str, error: type[R
         raise error(f"{where}: unknown key(s) {unknown}; valid: {', '.join(known)}")
 
 
+def check_dtype_policy(policy: Any, where: str) -> None:
+    """The policy states what runs do (IMPLEMENTED_POLICY) and an execution dtype a profile can run in."""
+    reject_unknown(policy, DTYPE_POLICY_KEYS, where)
+    execution = policy.get("execution_dtype")
+    if execution is not None and execution not in CONTRACT_DTYPES:
+        raise ContractError(f"{where}: execution_dtype={execution!r}; valid: {', '.join(CONTRACT_DTYPES)}")
+    for key, done in IMPLEMENTED_POLICY.items():
+        if key in policy and policy[key] != done:
+            raise ContractError(
+                f"{where}: {key}={policy[key]!r}, but every run uses {key}={done!r}: a contract states what runs do"
+            )
+
+
 def contract_from_mapping(
     document: Mapping[str, Any], *, source: str = "contract", file_name: str | None = None
 ) -> Contract:
@@ -270,7 +290,7 @@ def contract_from_mapping(
             raise ContractError(f"{source}: missing top-level key {key!r}")
     if file_name is not None:
         check_version(document["version"], file_name, source)
-    reject_unknown(document["dtype_policy"], DTYPE_POLICY_KEYS, f"{source}: dtype_policy")
+    check_dtype_policy(document["dtype_policy"], f"{source}: dtype_policy")
     roles = parse_roles(document["comparison_roles"], source)
     rows = parse_judgments(document["judgments"], source)
     clip, judged, chain = parse_chain(document["chain_logprob_aggregates"], source)

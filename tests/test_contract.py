@@ -101,6 +101,23 @@ def test_require_all_false_is_rejected(document):
         contract_from_mapping(bad)
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("tf32", "enabled", "tf32='enabled', but every run uses tf32='disabled'"),
+        ("accumulation_dtype", "bfloat16", "accumulation_dtype='bfloat16', but every run uses"),
+        ("reference_dtype", "float32", "reference_dtype='float32', but every run uses"),
+        ("fp8", "e4m3", "fp8='e4m3', but every run uses"),
+        ("execution_dtype", "float8", "execution_dtype='float8'; valid: bfloat16, float32"),
+    ],
+)
+def test_a_dtype_policy_the_runs_do_not_follow_is_refused(document, key, value, message):
+    bad = copy.deepcopy(document)
+    bad["dtype_policy"][key] = value
+    with pytest.raises(ContractError, match=re.escape(message)):
+        contract_from_mapping(bad)
+
+
 @pytest.mark.parametrize("name", ["v2", "v9"])
 def test_a_contract_file_whose_version_is_not_its_name_is_refused(tmp_path, name):
     path = tmp_path / f"{name}.yaml"
