@@ -77,6 +77,16 @@ def choice(where: str, value: Any, valid: Sequence[str]) -> None:
         raise ConfigError(f"{where}={value!r} is not one of {', '.join(valid)}")
 
 
+def refuse_unread(where: str, unread: Sequence[tuple[str, Any, Any]], why: str, instead: str = "") -> None:
+    """Keys of ``where`` that its source never reads, as (key, value, unset value), must be left unset: set, they would
+    change nothing, so a file named there would go unread and a sweep over one would judge the same inputs twice."""
+    for key, value, unset in unread:
+        if value != unset:
+            raise ConfigError(
+                f"{where}.{key}={value!r} {why}: leave {where}.{key} unset" + (instead and f", or {instead}")
+            )
+
+
 def check_scale(key: str, value: float, low: float, high: float) -> None:
     """A scale of synthetic values must be in [low, high]."""
     if not low <= value <= high:  # NaN fails both comparisons
@@ -101,6 +111,13 @@ class WeightSource:
         check_seed(self.seed, "model.weights.seed")
         if self.kind == "synthetic":
             check_scale("model.weights.logit_std", self.logit_std, MIN_LOGIT_STD, MAX_LOGIT_STD)
+            refuse_unread(
+                "model.weights",
+                [("path", self.path, None), ("tensor", self.tensor, WeightSource.tensor)],
+                "applies to weight files only, and model.weights.kind=synthetic reads none (its weight comes from "
+                "model.weights.seed)",
+                "set model.weights.kind=file to test the file",
+            )
         if self.kind == "file" and not self.path:
             raise ConfigError("model.weights.kind=file needs model.weights.path (a local .safetensors file)")
 
@@ -242,19 +259,24 @@ class WorkloadSpec:
         if self.source == "replay":
             if not self.path:
                 raise ConfigError("workload=replay needs workload.path (a local .safetensors file)")
-            # The file gives the hidden states and lengths: a synthetic setting here would change nothing, so a
-            # sweep over it would judge the same tokens twice as if it had tried two workloads.
-            for key, value, unset in (
-                ("hidden_scale", self.hidden_scale, 1.0),
-                ("seq_lens", list(self.seq_lens), []),
-                ("prompt_lens", list(self.prompt_lens), []),
-            ):
-                if value != unset:
-                    raise ConfigError(
-                        f"workload.{key}={value!r} applies to synthetic workloads only; workload {self.name!r} "
-                        f"replays {self.path!r}, whose file gives them: leave workload.{key} unset"
-                    )
+            # The file gives the hidden states and lengths: a synthetic setting here would change nothing.
+            refuse_unread(
+                "workload",
+                [
+                    ("hidden_scale", self.hidden_scale, 1.0),
+                    ("seq_lens", list(self.seq_lens), []),
+                    ("prompt_lens", list(self.prompt_lens), []),
+                ],
+                f"applies to synthetic workloads only; workload {self.name!r} replays {self.path!r}, whose file gives "
+                "them",
+            )
             return
+        refuse_unread(
+            "workload",
+            [("path", self.path, None)],
+            f"applies to replay workloads only, and workload {self.name!r} is synthetic: it reads no file",
+            "use workload=replay to replay the file",
+        )
         self.check_lengths()
         check_scale("workload.hidden_scale", self.hidden_scale, MIN_HIDDEN_SCALE, MAX_HIDDEN_SCALE)
 

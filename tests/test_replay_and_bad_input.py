@@ -183,6 +183,17 @@ def test_a_synthetic_workload_key_of_a_replay_is_refused(tmp_path, override):
     run_spec(compose_run(*replay))
 
 
+# A file named for a synthetic source would go unread: the run would judge synthetic inputs and say nothing.
+@pytest.mark.parametrize(
+    "override", ["workload.path=capture.st", "model.weights.path=head.st", "model.weights.tensor=embed.weight"]
+)
+def test_a_file_key_of_a_synthetic_source_is_refused(override):
+    key, value = override.split("=")
+    with pytest.raises(ConfigError, match=re.escape(f"{key}={value!r} applies to ")) as caught:
+        run_spec(compose_run(override))
+    assert f"leave {key} unset" in str(caught.value)
+
+
 # An empty selector list selects nothing; omitting the key is how a declaration says "every" (docs/sweeps.md).
 SELECTORS = ("profiles", "tp", "cells", "tensors")
 
@@ -215,7 +226,11 @@ CONF = Path(str(resources.files("conf")))
 # Every checked-in option of every group, with what a replay option cannot run without.
 CHECKED_IN = [
     [f"{path.parent.name}={path.stem}"]
-    + (["model.hidden_size=8", "model.vocab_size=64", "model.weights.path=head.st"] if path.stem == "replay" else [])
+    + (
+        ["model.hidden_size=8", "model.vocab_size=64", "model.weights.path=head.st"]
+        if path.parent.name == "model" and path.stem == "replay"
+        else []
+    )
     + (["workload.path=capture.st"] if path.parent.name == "workload" and path.stem == "replay" else [])
     for path in sorted(CONF.glob("*/*.yaml"))
 ]
