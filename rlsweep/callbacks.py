@@ -116,7 +116,7 @@ class RlsweepCallback(Callback):
             sweep_dir = Path(config.hydra.sweep.dir)
             refuse_sweep_over_run(sweep_dir)
             record = sweep_record(config.hydra, "this sweep")
-            jobs = job_list(record, "this sweep")
+            jobs = job_list(record, "this sweep", GlobalHydra.instance().config_loader())
             preflight_jobs(config, jobs)
             acquire(sweep_dir)  # held until this process ends, gate included
             remove_sweep_outputs(sweep_dir)  # before any job: a sweep killed before its gate leaves no verdict

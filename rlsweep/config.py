@@ -11,6 +11,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from hydra.core.config_loader import ConfigLoader
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -186,12 +187,12 @@ def sweep_record(hydra_cfg: DictConfig, where: str) -> dict[str, Any]:
     return {"params": params, "task": task}
 
 
-def job_list(record: dict[str, Any], where: str) -> list[tuple[str, ...]]:
+def job_list(record: dict[str, Any], where: str, config_loader: ConfigLoader) -> list[tuple[str, ...]]:
     """Every job's overrides from a ``sweep_record``, in the basic sweeper's order; no two alike (``where`` names
-    the sweep in errors)."""
+    the sweep in errors). ``config_loader``: the sweep's, which lists a group's options for a ``glob(...)`` sweep."""
     arguments = [f"{key}={value}" for key, value in (record["params"] or {}).items()] + list(record["task"])
     choices: dict[str, list[str]] = {}  # key -> its "key=value" choices; a later override of a key replaces it
-    for override in OverridesParser.create().parse_overrides(arguments):
+    for override in OverridesParser.create(config_loader=config_loader).parse_overrides(arguments):
         key = override.get_key_element()
         if not override.is_sweep_override():
             choices[key] = [f"{key}={override.get_value_element_as_str()}"]

@@ -8,11 +8,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from hydra import initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
 from rlsweep_fixtures import compose_run, multirun, with_fault
 
 from rlsweep import environment
 from rlsweep.check import main as check_main
-from rlsweep.config import run_spec
+from rlsweep.config import job_list, run_spec
 from rlsweep.gate import SUMMARY_FILE, SWEEP_CHECKS_TABLE
 from rlsweep.manifest import identify
 from rlsweep.tables import CHECKS_TABLE, PART_FILE, TOKENS_TABLE
@@ -150,6 +152,17 @@ def test_a_sweep_whose_jobs_repeat_an_override_set_stops_before_any_job_runs(tmp
         "found by its overrides, so each job of a sweep must have its own; drop the repeated value"
     )
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_a_glob_sweep_lists_the_options_of_its_group_as_hydras_sweeper_does():
+    """``glob(...)`` needs the sweep's config loader to list a group's options; without it the sweep stopped on
+    Hydra's "ConfigLoader is not set", naming nothing."""
+    with initialize_config_module("conf", version_base="1.3"):
+        record = {"params": {"tp": "1,2"}, "task": ["profile=glob(triton_*cpu*)"]}
+        jobs = job_list(record, "this sweep", GlobalHydra.instance().config_loader())
+    assert jobs == [
+        (f"tp={tp}", f"profile={profile}") for tp in (1, 2) for profile in ("triton_cpu_bf16", "triton_fused_cpu_bf16")
+    ]
 
 
 def test_every_tp_is_served_by_ranks_that_may_hold_only_padding(tmp_path):
