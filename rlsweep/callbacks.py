@@ -25,7 +25,7 @@ from rlsweep.errors import ConfigError
 from rlsweep.exitcodes import ExitCode, one_line
 from rlsweep.gate import remove_sweep_outputs
 from rlsweep.locks import acquire
-from rlsweep.manifest import MANIFEST_FILE, verify_run
+from rlsweep.manifest import MANIFEST_FILE, canonical_sha256, verify_run
 from rlsweep.run import preflight
 from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, read_table, unwritable_reason
 from rlsweep.verdicts import as_expected
@@ -84,14 +84,24 @@ def preflight_jobs(config: DictConfig, jobs: list[tuple[str, ...]]) -> None:
     """Compose every job of the sweep and check it as its run would (``rlsweep.run.preflight``), before any runs.
 
     A job that cannot run (a geometry its profile cannot serve, a contract row it lacks) stops the sweep here,
-    in one line naming the job, instead of after the jobs before it have spent their time.
+    in one line naming the job, instead of after the jobs before it have spent their time; so does a job whose
+    overrides spell another job's values (``tp=1,01``): it would run and count the same run twice.
     """
     loader = GlobalHydra.instance().config_loader()
+    first: dict[str, int] = {}  # the resolved config's hash (a run's id) -> the first job that composes it
     for num, overrides in enumerate(jobs):
         try:
-            preflight(run_spec(loader.load_sweep_config(config, list(overrides))))  # its hydra node: its choices
+            spec = run_spec(loader.load_sweep_config(config, list(overrides)))  # its hydra node: its choices
+            preflight(spec)
         except Exception as err:
             raise ConfigError(f"job #{num} ({' '.join(overrides)}) cannot run: {one_line(err)}") from err
+        earlier = first.setdefault(canonical_sha256(spec.config), num)
+        if earlier != num:
+            raise ConfigError(
+                f"job #{num} ({' '.join(overrides)}) composes the same run config as job #{earlier} "
+                f"({' '.join(jobs[earlier])}): the sweep would run and count one run twice, as if it had tried two "
+                "values; drop the repeated value"
+            )
 
 
 class RlsweepCallback(Callback):

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import importlib.metadata
+import re
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
-from hydra import initialize_config_module
+from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from rlsweep_fixtures import compose_run, multirun, with_fault
 
 from rlsweep import environment
+from rlsweep.callbacks import preflight_jobs
 from rlsweep.check import main as check_main
 from rlsweep.config import job_list, run_spec
+from rlsweep.errors import ConfigError
 from rlsweep.gate import SUMMARY_FILE, SWEEP_CHECKS_TABLE
 from rlsweep.manifest import identify
 from rlsweep.tables import CHECKS_TABLE, PART_FILE, TOKENS_TABLE
@@ -152,6 +155,16 @@ def test_a_sweep_whose_jobs_repeat_an_override_set_stops_before_any_job_runs(tmp
         "found by its overrides, so each job of a sweep must have its own; drop the repeated value"
     )
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("values", [("tp=1", "tp=01"), ("seed=0", "seed=00"), ("grad=false", "grad=0")])
+def test_jobs_that_spell_one_value_two_ways_stop_the_sweep_before_any_job_runs(values):
+    """Each job's overrides differ, so the gate finds both, but their runs are one run counted twice."""
+    with initialize_config_module("conf", version_base="1.3"):
+        config = compose("config", overrides=["layout=smoke"], return_hydra_config=True)
+        with pytest.raises(ConfigError, match=re.escape(f"job #1 (layout=smoke {values[1]}) composes the same run "
+                                                        f"config as job #0 (layout=smoke {values[0]})")):  # fmt: skip
+            preflight_jobs(config, [("layout=smoke", value) for value in values])
 
 
 def test_a_glob_sweep_lists_the_options_of_its_group_as_hydras_sweeper_does():
