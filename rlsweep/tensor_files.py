@@ -112,6 +112,12 @@ def header(tensor_slice: Any) -> TensorHeader:
     return TensorHeader(str(tensor_slice.get_dtype()), tuple(int(n) for n in tensor_slice.get_shape()))
 
 
+def tensor_header(tensor: torch.Tensor) -> TensorHeader:
+    """The header of a tensor as loaded: what its file declared for it, read back from the tensor itself."""
+    stored = next((name for name, dtype in SAFETENSORS_DTYPES.items() if dtype == tensor.dtype), str(tensor.dtype))
+    return TensorHeader(stored, tuple(tensor.shape))
+
+
 def bits_sha256(tensor: torch.Tensor) -> str:
     """sha256 (hex) of a tensor's bytes as held: its dtype's bit patterns in row-major order, so equal bits give
     equal digests (-0.0 and 0.0, or two NaN payloads, do not). The weight's hash and the gradients' fingerprints."""

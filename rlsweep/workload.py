@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +12,7 @@ import kernels
 from rlsweep.errors import ReplayInputError
 from rlsweep.spec import MAX_SEQ_LEN, POSITION_BITS, ModelSpec, WorkloadSpec
 from rlsweep.synthetic import normal_matrix, standard_normal, uniform
-from rlsweep.tensor_files import TensorFile, bits_sha256
+from rlsweep.tensor_files import TensorFile, TensorHeader, bits_sha256, tensor_header
 
 REPLAY_TENSORS = ("hidden_states", "target_ids", "seq_lens")
 REPLAY_OPTIONAL = ("active_mask",)
@@ -140,6 +141,13 @@ def replay_shape(config: WorkloadSpec, model: ModelSpec) -> WorkloadShape:
     file = replay_file(config)
     where = file.describe()
     headers = file.headers()
+    rows = check_replay_headers(where, headers, model)
+    small = file.load([name for name in ("seq_lens", *REPLAY_OPTIONAL) if name in headers])
+    return counted_shape(where, small, rows)
+
+
+def check_replay_headers(where: str, headers: Mapping[str, TensorHeader], model: ModelSpec) -> int:
+    """T, from headers whose tensors are all there with the dtypes and shapes a replay needs (ReplayInputError)."""
     missing = [name for name in REPLAY_TENSORS if name not in headers]
     if missing:
         raise ReplayInputError(
@@ -169,8 +177,12 @@ def replay_shape(config: WorkloadSpec, model: ModelSpec) -> WorkloadShape:
     active = headers.get("active_mask")
     if active is not None and (active.dtype != torch.bool or active.shape != (rows,)):
         raise ReplayInputError(f"{where}: active_mask must be bool [{rows}], got {active.describe()}")
-    small = file.load([name for name in ("seq_lens", *REPLAY_OPTIONAL) if name in headers])
-    seq_lens = small["seq_lens"].tolist()  # Python ints: an int64 sum can wrap round to T
+    return rows
+
+
+def counted_shape(where: str, tensors: Mapping[str, torch.Tensor], rows: int) -> WorkloadShape:
+    """The token counts of ``seq_lens`` and the optional ``active_mask`` among ``tensors``, checked against T=rows."""
+    seq_lens = tensors["seq_lens"].tolist()  # Python ints: an int64 sum can wrap round to T
     for sample, n in enumerate(seq_lens):
         if not 1 <= n <= MAX_SEQ_LEN:
             raise ReplayInputError(
@@ -181,7 +193,7 @@ def replay_shape(config: WorkloadSpec, model: ModelSpec) -> WorkloadShape:
         raise ReplayInputError(
             f"{where}: seq_lens {seq_lens} sum to {sum(seq_lens)}, but they must be >= 1 and sum to T={rows}"
         )
-    mask = small.get("active_mask", torch.ones(rows, dtype=torch.bool))
+    mask = tensors.get("active_mask", torch.ones(rows, dtype=torch.bool))
     sample_ids = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens))
     active_lens = torch.bincount(sample_ids[mask], minlength=len(seq_lens))
     if int(active_lens.sum()) == 0:
@@ -198,10 +210,22 @@ def replay_workload(
     seed: int,
     dtype: torch.dtype,
 ) -> Workload:
-    """Captured tensors from a safetensors file whose header ``replay_shape`` checked; then their values."""
+    """Captured tensors from a safetensors file whose header ``replay_shape`` checked; then their values.
+
+    Every tensor is read at once and checked again as its header was: a file rewritten since ``shape`` was counted
+    is refused, never computed as a mix of two versions.
+    """
     file = replay_file(config)
     where = file.describe()
-    tensors = file.load(["hidden_states", "target_ids", *(n for n in REPLAY_OPTIONAL if n in file.headers())])
+    tensors = file.load([*REPLAY_TENSORS, *(n for n in REPLAY_OPTIONAL if n in file.headers())])
+    rows = check_replay_headers(where, {name: tensor_header(tensor) for name, tensor in tensors.items()}, model)
+    read = counted_shape(where, tensors, rows)
+    if read != shape:
+        raise ReplayInputError(
+            f"{where} changed while the run read it: it held samples of lengths {list(shape.seq_lens)} "
+            f"({shape.num_active} active tokens), then {list(read.seq_lens)} ({read.num_active}); keep the file "
+            "unchanged while it runs"
+        )
     hidden, targets = tensors["hidden_states"], tensors["target_ids"]
     bad = (targets < 0) | (targets >= model.vocab_size)
     if bool(bad.any()):

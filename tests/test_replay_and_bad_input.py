@@ -25,6 +25,7 @@ from rlsweep.contract import load_contract, op_class
 from rlsweep.errors import ConfigError, ContractError, OutputDirError, ReplayInputError, RlsweepError
 from rlsweep.spec import MAX_TP
 from rlsweep.tables import TOKENS_TABLE
+from rlsweep.workload import replay_workload, workload_shape
 
 HIDDEN, VOCAB, SEQ_LENS = 32, 1500, [6, 9, 5]
 
@@ -115,6 +116,28 @@ def test_bad_replay_input_names_the_value_and_leaves_no_table(tmp_path, case):
         execute_run(cfg, tmp_path / "run")
     assert str(tmp_path / ("head" if "weight" in message else "capture")) + ".safetensors" in str(caught.value)
     assert tables_left(tmp_path / "run") == []
+
+
+def grown(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The capture with one more token at the end of its last sample."""
+    extra = {"hidden_states": tensors["hidden_states"][:1], "target_ids": tensors["target_ids"][:1],
+             "active_mask": tensors["active_mask"][:1]}  # fmt: skip
+    return (
+        tensors
+        | {name: torch.cat([tensors[name], row]) for name, row in extra.items()}
+        | {"seq_lens": tensors["seq_lens"] + torch.tensor([0, 0, 1])}
+    )
+
+
+# Counted (preflight, the memory estimate) and then read: a file rewritten in between is refused, not mixed.
+@pytest.mark.parametrize("rewrite", [grown, lambda t: t | {"seq_lens": torch.tensor([10, 5, 5])}], ids=["T", "lens"])
+def test_a_replay_file_rewritten_after_its_tokens_were_counted_is_refused(tmp_path, rewrite):
+    spec = run_spec(compose_run(*replay_run(tmp_path, replay_tensors())))
+    shape = workload_shape(spec.workload, spec.model)
+    replay_run(tmp_path, rewrite(replay_tensors()))
+    with pytest.raises(ReplayInputError, match=re.escape(f"changed while the run read it: it held samples of lengths "
+                                                         f"{SEQ_LENS}")):  # fmt: skip
+        replay_workload(spec.workload, spec.model, shape, device=torch.device("cpu"), seed=0, dtype=spec.profile.dtype)
 
 
 CONFIG_BAD_INPUTS = {
