@@ -70,8 +70,9 @@ class TensorFile:
 
     def headers(self) -> dict[str, TensorHeader]:
         """Each tensor's header; nothing is loaded."""
-        if not Path(self.path).is_file():
-            raise ReplayInputError(f"{self.describe()} does not exist")
+        path = Path(self.path)
+        if not path.is_file():  # a directory, say, exists: "does not exist" would send the user looking elsewhere
+            raise ReplayInputError(f"{self.describe()} " + ("is not a file" if path.exists() else "does not exist"))
         with self.opened() as handle:
             return {name: header(handle.get_slice(name)) for name in handle.keys()}
 

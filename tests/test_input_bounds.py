@@ -117,7 +117,13 @@ def corrupt(path, how: str) -> None:
     path.write_bytes({"garbage": b"this is not a safetensors file", "truncated": data[: len(data) // 2]}[how])
 
 
+def replace_by_dir(path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
 BAD_WEIGHT_FILES = {
+    "a directory": (lambda d: replace_by_dir(d / "head.safetensors"), "(model.weights.path) is not a file"),
     "not safetensors": (lambda d: corrupt(d / "head.safetensors", "garbage"), "is not a readable safetensors file"),
     "truncated": (lambda d: corrupt(d / "head.safetensors", "truncated"), "is not a readable safetensors file"),
     "no head tensor": (
@@ -134,6 +140,7 @@ BAD_WEIGHT_FILES = {
     ),
 }
 BAD_REPLAY_FILES = {
+    "a directory": (lambda d: replace_by_dir(d / "capture.safetensors"), "(workload.path) is not a file"),
     "not safetensors": (lambda d: corrupt(d / "capture.safetensors", "garbage"), "is not a readable safetensors file"),
     "truncated": (lambda d: corrupt(d / "capture.safetensors", "truncated"), "is not a readable safetensors file"),
     "integer hidden states": (
