@@ -5,14 +5,16 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+import kernels
 from rlsweep.errors import ReplayInputError
 from rlsweep.spec import ModelSpec
 from rlsweep.synthetic import normal_matrix
-from rlsweep.tensor_files import TensorFile, TensorHeader, bits_sha256
+from rlsweep.tensor_files import TensorFile, TensorHeader, bits_sha256, tensor_header
 
 GENERATION_ROWS = 8192  # synthetic weights are made in row blocks to bound memory on big heads
 
@@ -71,8 +73,13 @@ def weight_file(model: ModelSpec) -> TensorFile:
 
 def weight_header(model: ModelSpec) -> TensorHeader:
     """The head tensor's header: present, floating, [V, H] (or [padded V, H]); nothing is loaded."""
-    source, file = model.weights, weight_file(model)
-    headers = file.headers()
+    file = weight_file(model)
+    return checked_weight_header(model, file, file.headers())
+
+
+def checked_weight_header(model: ModelSpec, file: TensorFile, headers: Mapping[str, TensorHeader]) -> TensorHeader:
+    """``weight_header``'s checks on ``headers``: the file's, or those of the tensor as loaded."""
+    source = model.weights
     if source.tensor not in headers:
         raise ReplayInputError(
             f"{file.describe()} has no tensor {source.tensor!r} (model.weights.tensor); it holds {sorted(headers)[:20]}"
@@ -97,9 +104,16 @@ def file_weight(model: ModelSpec, *, dtype: torch.dtype) -> torch.Tensor:
     weight_header(model)
     source, file = model.weights, weight_file(model)
     weight = file.load([source.tensor])[source.tensor]
+    checked_weight_header(model, file, {source.tensor: tensor_header(weight)})  # the file may change after its header
     file.cast_finite(source.tensor, weight, weight.dtype)  # every row finite as stored, padded rows included
     # Padded checkpoint rows are never real tokens: the kernels pad the vocab themselves.
     real = weight[: model.vocab_size]
     if dtype != weight.dtype:  # only a cast can take a value found finite above past the range
         real = file.cast_finite(source.tensor, real, dtype)
+    if torch.equal(real.amax(dim=0), real.amin(dim=0)):  # every row alike (all zero, say): a token's logits are equal
+        raise ReplayInputError(
+            f"{source.tensor} in {file.describe()}: every row of the head is the same in "
+            f"{kernels.dtype_name(dtype)} (row 0 is {'all zero' if not bool(real[0].any()) else 'repeated'}), so every "
+            f"logit of a token is equal and every kernel gives logp = -log({model.vocab_size}): no verdict could fail"
+        )
     return real.contiguous()

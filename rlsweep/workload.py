@@ -227,15 +227,25 @@ def replay_workload(
             "unchanged while it runs"
         )
     hidden, targets = tensors["hidden_states"], tensors["target_ids"]
-    bad = (targets < 0) | (targets >= model.vocab_size)
+    rows = shape.num_tokens
+    active = tensors.get("active_mask", torch.ones(rows, dtype=torch.bool))
+    # An inactive token's target is never read: it may be the ignore index (-100) a capture's labels hold there.
+    bad = ((targets < 0) | (targets >= model.vocab_size)) & (active | (targets != kernels.IGNORE_INDEX))
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
         raise ReplayInputError(
             f"{where}: target_ids[{row}] = {int(targets[row])} is outside [0, {model.vocab_size}) (model.vocab_size)"
+            + (
+                f"; {kernels.IGNORE_INDEX} may mark only a token active_mask leaves out"
+                * bool(targets[row] == kernels.IGNORE_INDEX)
+            )
         )
     hidden = file.cast_finite("hidden_states", hidden, dtype)
-    rows = shape.num_tokens
-    active = tensors.get("active_mask", torch.ones(rows, dtype=torch.bool))
+    if not bool(hidden[active].any()):  # zero hidden states give every logit 0
+        raise ReplayInputError(
+            f"{where}: hidden_states are zero on every active token in {kernels.dtype_name(dtype)}, so every logit is "
+            f"0 and every kernel gives logp = -log({model.vocab_size}): no verdict could fail"
+        )
     lens = torch.tensor(shape.seq_lens)
     sample_ids = torch.repeat_interleave(torch.arange(len(shape.seq_lens)), lens)
     positions = torch.cat([torch.arange(n) for n in shape.seq_lens])

@@ -11,7 +11,9 @@ import pandas as pd
 import pytest
 import torch
 from rlsweep_fixtures import WITHOUT_CUDA, compose_run, execute_run, run_rlsweep, tables_left, write_replay
+from safetensors.torch import save_file
 
+import rlsweep.model
 from rlsweep.config import (
     LayoutConfig,
     ModelConfig,
@@ -23,6 +25,7 @@ from rlsweep.config import (
 )
 from rlsweep.contract import load_contract, op_class
 from rlsweep.errors import ConfigError, ContractError, OutputDirError, ReplayInputError, RlsweepError
+from rlsweep.model import build_lm_head, weight_header
 from rlsweep.spec import MAX_TP
 from rlsweep.tables import TOKENS_TABLE
 from rlsweep.workload import replay_workload, workload_shape
@@ -93,6 +96,14 @@ REPLAY_BAD_INPUTS = {
     "target >= vocab": (mutate("target_ids", poke(4, VOCAB)), f"target_ids[4] = {VOCAB}"),
     "target < 0": (mutate("target_ids", poke(2, -7)), "target_ids[2] = -7"),
     "seq_lens do not sum": (mutate("seq_lens", poke(0, 1)), "must be >= 1 and sum to"),
+    "-100 on an active token": (mutate("target_ids", poke(1, -100)), "-100 may mark only a token active_mask leaves"),
+    # Inputs whose logits are all equal: every kernel gives logp = -log V, so no verdict could fail.
+    "zero weight": (mutate("weight", torch.zeros_like), "(model.weights.path): every row of the head is the same in"),
+    "one weight row repeated": (
+        mutate("weight", lambda t: t[:1].expand_as(t).contiguous()),
+        "(model.weights.path): every row of the head is the same in bfloat16 (row 0 is repeated)",
+    ),
+    "zero hidden": (mutate("hidden_states", torch.zeros_like), "hidden_states are zero on every active token"),
     "NaN hidden": (mutate("hidden_states", poke((3, 5), float("nan"))), "hidden_states[3, 5] = nan is not finite"),
     "Inf weight": (mutate("weight", poke((7, 1), float("inf"))), "lm_head.weight[7, 1] = inf is not finite"),
 }
@@ -116,6 +127,33 @@ def test_bad_replay_input_names_the_value_and_leaves_no_table(tmp_path, case):
         execute_run(cfg, tmp_path / "run")
     assert str(tmp_path / ("head" if "weight" in message else "capture")) + ".safetensors" in str(caught.value)
     assert tables_left(tmp_path / "run") == []
+
+
+def test_the_ignore_index_on_tokens_the_active_mask_leaves_out_is_read_as_theirs(tmp_path):
+    """Captures label the tokens they leave out with -100: those targets are never read, so they run as any other."""
+    tensors = replay_tensors()
+    labelled = tensors | {"target_ids": tensors["target_ids"].where(tensors["active_mask"], -100)}
+    runs = []
+    for name, capture in (("ids", tensors), ("labels", labelled)):
+        (tmp_path / name).mkdir()
+        runs.append(execute_run(compose_run(*replay_run(tmp_path / name, capture), "layout=smoke"), tmp_path / name))
+    assert not runs[1].unexpected and len(runs[1].verdicts)
+    logp = [pd.read_parquet(tmp_path / name / TOKENS_TABLE).logp for name in ("ids", "labels")]
+    assert (logp[0].to_numpy().view("u4") == logp[1].to_numpy().view("u4")).all()
+
+
+def test_a_weight_file_rewritten_after_its_header_was_checked_is_refused_naming_it(tmp_path, monkeypatch):
+    spec = run_spec(compose_run(*replay_run(tmp_path, replay_tensors())))
+    path = tmp_path / "head.safetensors"
+
+    def checked_then_rewritten(model):  # the header is checked, then the file loses a row before the load
+        header = weight_header(model)
+        save_file({"lm_head.weight": replay_tensors()["weight"][:-1].contiguous()}, path)
+        return header
+
+    monkeypatch.setattr(rlsweep.model, "weight_header", checked_then_rewritten)
+    with pytest.raises(ReplayInputError, match=re.escape(f"lm_head.weight in weight file '{path}'")):
+        build_lm_head(spec.model, dtype=spec.profile.dtype, device=torch.device("cpu"))
 
 
 def grown(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
