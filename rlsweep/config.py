@@ -154,7 +154,7 @@ def run_spec(cfg: DictConfig) -> RunSpec:
 
     ``cfg`` carries its ``hydra`` node (a sweep job's config, ``compose(..., return_hydra_config=True)``), or
     comes without it from inside the app, where ``HydraConfig`` holds it: its ``runtime.choices`` name the
-    contract file composed, whose name the contract's version must be.
+    contract and profile files composed, whose names the contract's version and the profile's name must be.
     """
     if "hydra" in cfg:
         choices = cfg.hydra.runtime.choices
@@ -164,7 +164,8 @@ def run_spec(cfg: DictConfig) -> RunSpec:
     else:
         raise RlsweepError("run_spec needs a config as Hydra composed it: with its hydra node, or inside the app")
     check_complete(cfg)
-    return parse_run_spec(OmegaConf.to_container(cfg, resolve=True), contract_file=choices.contract)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    return parse_run_spec(config, contract_file=choices.contract, profile_file=choices.profile)
 
 
 def saved_config_sha256(cfg: DictConfig) -> str:

@@ -455,13 +455,19 @@ class RunSpec:
         return [d for d in self.declarations if d.applies(self.profile.name, self.tp)]
 
 
-def parse_run_spec(config: Mapping[str, Any], *, contract_file: str) -> RunSpec:
+def parse_run_spec(config: Mapping[str, Any], *, contract_file: str, profile_file: str) -> RunSpec:
     """The RunSpec of a resolved config (plain mappings and lists, as Hydra composed it against its schema).
 
     ``contract_file``: the name of the contract file composed as ``config["contract"]`` (``contract=v2``), which
-    its version must be.
+    its version must be. ``profile_file``: the profile file's (``profile=cpu_bf16``), which its name must be.
     """
     profile = dict(config["profile"])
+    if profile.get("name") != profile_file:  # tables, the gate and declarations know a profile by its name
+        raise ConfigError(
+            f"profile.name={profile.get('name')!r} is not its file's name (profile={profile_file}): tables, the gate "
+            f"and declarations know a profile by its name, so another profile's would mix the two; name it "
+            f"{profile_file!r}"
+        )
     if profile.get("backend_module"):
         import_backend(profile["name"], profile["backend_module"])
     tp = config.get("tp", 1)

@@ -202,6 +202,9 @@ CONFIG_BAD_INPUTS = {
         ContractError,
         "forward_invariance.rows.lse.bfloat16",
     ),
+    # Tables, the gate and declarations know a profile by its name: it must be its file's, not another's.
+    "profile named as another": (["profile.name=triton_cpu_bf16"], ConfigError,
+                                 "profile.name='triton_cpu_bf16' is not its file's name (profile=cpu_bf16)"),
     "weight file missing": (["model.weights.kind=file", "model.weights.path=/nonexistent.st"], ReplayInputError,
                             "/nonexistent.st"),
 }  # fmt: skip
