@@ -86,22 +86,6 @@ def test_every_run_of_a_profile_is_paired_with_every_run_of_another(tmp_path):
     assert len(rows) == 8 and len(pairs) == 4, rows[["run_id", "detail"]]
 
 
-def test_negative_control_sweep_is_red(tmp_path):
-    done = multirun(tmp_path, "profile=negative_control_cpu", *SMALL)
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert "-> RED" in done.stdout
-    assert check_main([str(tmp_path)]) == 2
-
-
-def test_aten_tp_rows_are_judged_by_the_rounding_model_and_say_whether_bitwise(tmp_path):
-    done = multirun(tmp_path, "profile=cpu_bf16", *SMALL)
-    assert done.returncode == 0, done.stdout + done.stderr
-    tp_rows = sweep_checks(tmp_path).query("judgment == 'tp_invariance'")
-    assert len(tp_rows) and (tp_rows["metric"] == "max_error_over_bound").all() and (tp_rows["threshold"] == 1).all()
-    assert tp_rows["detail"].str.contains(r"also bitwise: (?:True|False)").all()
-    assert "of which also bitwise" in (tmp_path / SUMMARY_FILE).read_text()
-
-
 def test_expected_red_that_passes_turns_the_sweep_red(tmp_path):
     declaration = "expected_red=[{profiles:[cpu_bf16],judgment:tp_invariance,reason:'claims stock TP varies'}]"
     done = multirun(tmp_path, "profile=cpu_bf16", *SMALL, declaration)
@@ -227,7 +211,11 @@ def test_launchers_run_the_sweep_and_the_gate(tmp_path, launcher):
     done = multirun(tmp_path, "profile=cpu_bf16", *SMALL, *launcher)
     assert done.returncode == 0, done.stdout + done.stderr
     assert len(list((tmp_path / CHECKS_TABLE).glob(f"job=*/{PART_FILE}"))) == 2
-    assert len(sweep_checks(tmp_path).query("judgment == 'tp_invariance'"))
+    # Stock PyTorch's tp rows are judged by the rounding model, and each says whether it was bitwise all the same.
+    tp_rows = sweep_checks(tmp_path).query("judgment == 'tp_invariance'")
+    assert len(tp_rows) and (tp_rows["metric"] == "max_error_over_bound").all() and (tp_rows["threshold"] == 1).all()
+    assert tp_rows["detail"].str.contains(r"also bitwise: (?:True|False)").all()
+    assert "of which also bitwise" in (tmp_path / SUMMARY_FILE).read_text()
 
 
 def test_check_on_a_directory_without_tables_is_a_usage_error(tmp_path, capsys):
@@ -244,6 +232,10 @@ def test_sweep_declarations_apply_only_to_their_profiles_and_tp(tmp_path):
     assert set(zip(declared["profile"], declared["tp"], declared["lhs_cell"], strict=True)) == {
         ("cpu_bf16", 1, "B1/full")
     }
+    # The control, declared nothing here, is caught at every tp, and the gate run again on the tables agrees.
+    caught = checks[(checks["profile"] == "negative_control_cpu") & ~checks["passed"]]
+    assert set(caught["judgment"]) == {"forward_invariance"} and set(caught["tp"]) == {1, 2}
+    assert "-> RED" in done.stdout and check_main([str(tmp_path)]) == 2
 
 
 # A grad=false job has no gradient verdicts: it leaves a gradient declaration to the jobs that judged gradients, and
