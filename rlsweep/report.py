@@ -21,6 +21,7 @@ import pandas as pd
 
 from rlsweep import analysis, plots
 from rlsweep.check import add_directory_argument, console_summary
+from rlsweep.discovery import enclosing_sweep
 from rlsweep.errors import OutputDirError, TablesNotFoundError
 from rlsweep.exitcodes import ExitCode, guarded
 from rlsweep.gate import GateResult, RunTables, reported_only, run_gate
@@ -365,7 +366,8 @@ def write_report(root: Path, out: Path, result: GateResult) -> list[Path]:
 
 def report_dir(out: str | None, directory: Path) -> Path:
     """Where the report goes: DIRECTORY, or ``--out`` unless it is empty, not a writable directory, or inside one
-    of DIRECTORY's tables folders (its files there would be read as rows of the table and fail the gate)."""
+    of the tables folders of DIRECTORY, or of the sweep it is part of (a job dir's tables are in its sweep's
+    datasets): its files there would be read as rows of the table and fail the gate."""
     if out is None:
         return directory
     if not out.strip():
@@ -373,10 +375,11 @@ def report_dir(out: str | None, directory: Path) -> Path:
     reason = unwritable_reason(Path(out))
     if reason:
         raise OutputDirError(f"--out {out!r} cannot hold the report: {reason}")
-    folder = table_folder(Path(out), directory)
+    tables_root = enclosing_sweep(directory) or directory
+    folder = table_folder(Path(out), tables_root)
     if folder is not None:
         raise OutputDirError(
-            f"--out {out!r} is inside {str(folder)!r}, a tables folder of {str(directory)!r}: a dataset reader would "
+            f"--out {out!r} is inside {str(folder)!r}, a tables folder of {str(tables_root)!r}: a dataset reader would "
             "take the report's files for table rows and the gate would find the sweep incomplete; choose a directory "
             f"outside its {', '.join(f'{table}/' for table in RUN_TABLES)} and {PARTITION_KEY}=<n> folders"
         )

@@ -115,11 +115,13 @@ def test_a_directory_without_tables_is_a_usage_error(tmp_path, capsys, make):
     assert not (tmp_path / REPORT_HTML).exists()
 
 
+@pytest.mark.parametrize("job", [False, True])  # a job dir's tables are in its sweep's datasets
 @pytest.mark.parametrize("inside", ["tokens", "checks/job=1", "tokens/job=0/deeper"])
-def test_an_out_inside_a_tables_folder_is_refused(small_sweep, capsys, inside):
+def test_an_out_inside_a_tables_folder_is_refused(small_sweep, capsys, inside, job):
     out = small_sweep / inside
+    directory = analysis.run_dirs(small_sweep)[0] if job else small_sweep
     before = sorted(str(p.relative_to(small_sweep)) for p in small_sweep.rglob("*"))
-    assert main([str(small_sweep), "--out", str(out)]) == ExitCode.ERROR
+    assert main([str(directory), "--out", str(out)]) == ExitCode.ERROR
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and str(out) in err and "tables folder" in err, err
     assert sorted(str(p.relative_to(small_sweep)) for p in small_sweep.rglob("*")) == before
