@@ -24,7 +24,7 @@ import pyarrow as pa
 import torch
 
 import kernels
-from rlsweep.discovery import discover
+from rlsweep.discovery import discover, enclosing_sweep
 from rlsweep.errors import SelectionError, TablesNotFoundError
 from rlsweep.gate import COMPARABLE_COLUMNS, SWEEP_CHECKS_TABLE, baseline_order, count_verdicts, sweep_of
 from rlsweep.manifest import MANIFEST_FILE, verify_run
@@ -151,9 +151,14 @@ def load_tokens(path: str | os.PathLike[str]) -> pd.DataFrame:
 
 
 def load_checks(path: str | os.PathLike[str]) -> pd.DataFrame:
-    """Every complete run's checks (level "run") and sweep_checks.parquet (level "sweep") under ``path``."""
+    """Every complete run's checks (level "run") and sweep_checks.parquet (level "sweep") under ``path``.
+
+    A sweep_checks.parquet in a dir inside a sweep (a job dir checked alone) is not loaded: that gate saw only part
+    of the sweep, so its rows are no verdict of the sweep (a declaration there selects no run of it, say).
+    """
     runs = [(d, read_run_table(d, CHECKS_TABLE, CHECKS_SCHEMA)) for d in run_dirs(path)]
-    sweep_tables = sorted(Path(path).rglob(SWEEP_CHECKS_TABLE), key=natural_key)
+    found = Path(path).rglob(SWEEP_CHECKS_TABLE)
+    sweep_tables = sorted((p for p in found if enclosing_sweep(p.parent) is None), key=natural_key)
     sweeps = [(p.parent, read_table(p, CHECKS_SCHEMA).to_pandas()) for p in sweep_tables]
     frame = checks_frame(runs, sweeps)
     if not len(frame):

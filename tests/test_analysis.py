@@ -9,7 +9,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from rlsweep_fixtures import table_file
+from rlsweep_fixtures import multirun, table_file
 
 from rlsweep import analysis
 from rlsweep.check import main as check_main
@@ -205,6 +205,21 @@ def test_a_sweep_checked_again_from_its_parent_dir_counts_each_verdict_once(smal
         checks[analysis.LEVEL] == analysis.SWEEP_LEVEL
     ).sum()
     assert analysis.summary(again).equals(analysis.summary(checks))
+
+
+def test_a_job_dir_checked_alone_adds_no_verdict_to_its_sweep(tmp_path):
+    # The gate over job 0 alone sees no tp=2 run, so the tp=2 declaration selects nothing there: red, in 0/.
+    declared = ",".join(
+        f"{{profiles:[negative_control_cpu],tp:[{tp}],judgment:forward_invariance,cells:[B1/full,needle/*],reason:c}}"
+        for tp in (1, 2)
+    )
+    sweep_dir = tmp_path / "sweep"
+    done = multirun(sweep_dir, "profile=negative_control_cpu", "tp=1,2", "layout=smoke", f"expected_red=[{declared}]")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert check_main([str(analysis.run_dirs(sweep_dir)[0])]) == 3
+    assert check_main([str(sweep_dir)]) == 0
+    checks = analysis.load_checks(sweep_dir)
+    assert analysis.summary(checks)["unexpected"].sum() == 0, checks[checks["passed"] != checks["expected_pass"]]
 
 
 DLOGP_FRAME = pd.DataFrame({"dlogp": [0.5, -2.0]})
