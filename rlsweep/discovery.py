@@ -178,6 +178,19 @@ def visible_tables(root: Path) -> set[Path]:
     return found
 
 
+def linked_runs(root: Path) -> list[str]:
+    """Links under ``root`` to a directory outside it that holds runs or sweeps: the search does not follow links (a
+    link to a dir under ``root`` is judged where that dir lies), so the runs there would be left out unseen."""
+    inside = root.resolve()
+    lines = []
+    for link in sorted(path for path in root.rglob("*") if path.is_symlink() and path.is_dir()):
+        target = link.resolve()
+        if not target.is_relative_to(inside) and (candidate_dirs(target) or sweep_dirs(target)):
+            lines.append(f"{link}: a link to {str(target)!r}, which holds rlsweep runs; links are not followed, so "
+                         f"they are not judged here: python -m rlsweep.check {target} judges them")  # fmt: skip
+    return lines
+
+
 def lexical(path: Path) -> Path:
     return Path(os.path.normpath(path.absolute()))
 
@@ -250,7 +263,7 @@ def discover(root: Path) -> tuple[list[Path], list[str], str]:
             complete.append(run_dir)
         else:
             incomplete.append(f"{run_dir}: {state.reason}")
-    return complete, incomplete + orphan_tables(root, candidates), scope
+    return complete, incomplete + orphan_tables(root, candidates) + linked_runs(root), scope
 
 
 def sweep_runs(sweep_dir: Path, members: Sequence[Path], whole: bool = True) -> tuple[list[Path], list[str], list[str]]:

@@ -107,6 +107,19 @@ def test_under_a_dir_of_several_sweeps_each_is_judged_on_its_own(green_sweep, tm
     assert [Path(d).parent.name for d in runs["run_dir"]] == [Path(d).parent.name for d in runs["baseline"]]
 
 
+def test_a_link_to_runs_outside_the_dir_is_named_not_passed_over(green_sweep, sweep, tmp_path, capsys):
+    # The search under a dir does not follow links: a linked sweep's runs would be left out, and the dir GREEN.
+    tree = tmp_path / "tree"
+    shutil.copytree(green_sweep, tree / "here", ignore=shutil.ignore_patterns(".rlsweep.lock"))
+    (tree / "latest").symlink_to(tree / "here")  # judged where it lies
+    (tree / "elsewhere").symlink_to(sweep)
+    code, output = check(tree, capsys)
+    assert code == ExitCode.INCOMPLETE, output
+    assert f"{tree / 'elsewhere'}: a link to {str(sweep)!r}" in output and f"rlsweep.check {sweep} judges" in output
+    (tree / "elsewhere").unlink()
+    assert check(tree, capsys)[0] == ExitCode.GREEN
+
+
 @pytest.mark.parametrize("table", [TOKENS_TABLE, CHECKS_TABLE, MANIFEST_FILE])
 def test_a_truncated_file_makes_the_sweep_incomplete(sweep, capsys, table):
     path = sweep / "1" / MANIFEST_FILE if table == MANIFEST_FILE else table_file(sweep / "1", table)
