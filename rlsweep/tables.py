@@ -313,6 +313,12 @@ def read_table(path: str | os.PathLike[str], schema: pa.Schema) -> pa.Table:
             if field.name not in table.schema.names or table.schema.field(field.name).type != field.type
         ]
         extra = sorted(set(table.schema.names) - set(schema.names))
+        if not wrong and not extra:  # the same columns and types: their order or nullability differs
+            wrong = [f"{field.name}: nullable={table.schema.field(field.name).nullable} (expected {field.nullable})"
+                     for field in schema if table.schema.field(field.name).nullable != field.nullable]  # fmt: skip
+            wrong += [f"column {index} is {name} (expected {expected}, in the schema's order)"
+                      for index, (name, expected) in enumerate(zip(table.schema.names, schema.names, strict=True))
+                      if name != expected][:1]  # fmt: skip
         raise TableError(f"{str(path)!r} does not have the rlsweep schema: {', '.join(wrong) or ''}"
                          f"{' extra columns ' + ', '.join(extra) if extra else ''}")  # fmt: skip
     return table

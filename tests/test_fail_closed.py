@@ -286,6 +286,13 @@ def test_a_string_passed_column_is_refused_on_read(green_sweep, tmp_path):
         read_table(tmp_path / "checks.parquet", CHECKS_SCHEMA)
 
 
+def test_a_table_of_the_schemas_columns_in_another_order_is_refused_naming_the_order(green_sweep, tmp_path):
+    table = pq.read_table(table_file(green_sweep / "0", CHECKS_TABLE))
+    pq.write_table(table.select([*table.schema.names[1:], table.schema.names[0]]), tmp_path / "checks.parquet")
+    with pytest.raises(TableError, match=r"schema: column 0 is profile \(expected run_id, in the schema's order\)"):
+        read_table(tmp_path / "checks.parquet", CHECKS_SCHEMA)
+
+
 def test_a_gate_that_raises_ends_the_sweep_with_exit_1(tmp_path):
     fault = (
         "import rlsweep.gate\ndef boom(root): raise RuntimeError('injected gate fault')\nrlsweep.gate.run_gate = boom"
