@@ -24,9 +24,16 @@ import pyarrow as pa
 import torch
 
 import kernels
-from rlsweep.discovery import discover, enclosing_sweep
+from rlsweep.discovery import discover, enclosing_sweep, lexical
 from rlsweep.errors import SelectionError, TablesNotFoundError
-from rlsweep.gate import COMPARABLE_COLUMNS, SWEEP_CHECKS_TABLE, baseline_order, count_verdicts, sweep_of
+from rlsweep.gate import (
+    COMPARABLE_COLUMNS,
+    SWEEP_CHECKS_TABLE,
+    baseline_order,
+    count_verdicts,
+    read_sweep_checks,
+    sweep_of,
+)
 from rlsweep.manifest import MANIFEST_FILE, verify_run
 from rlsweep.spec import CANONICAL_CELL
 from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, TOKENS_SCHEMA, TOKENS_TABLE, TableError, read_table
@@ -110,22 +117,21 @@ def tokens_frame(tables: Sequence[tuple[Path, pd.DataFrame]]) -> pd.DataFrame:
 
 
 def checks_frame(
-    run_tables: Sequence[tuple[Path, pd.DataFrame]], sweep_tables: Sequence[tuple[Path, pd.DataFrame]] = ()
+    run_tables: Sequence[tuple[Path, pd.DataFrame]],
+    sweep_tables: Sequence[tuple[Path, pd.DataFrame, Sequence[Path]]] = (),
 ) -> pd.DataFrame:
-    """Run and sweep checks -> one frame; a sweep row's run_dir is its lhs run's dir (by run_id, same sweep).
+    """Run and sweep checks -> one frame; a sweep row's run_dir is its lhs run's dir, as the gate recorded it with
+    the row (``rlsweep.gate.read_sweep_checks``): (sweep dir, table, each row's run dir).
 
     A gate over a dir of several sweeps judges each sweep's runs again: a verdict that its table and the sweep's own
     both hold, the same in every column, is one row, not two.
     """
     parts = [table.assign(**{LEVEL: RUN_LEVEL, RUN_DIR: str(directory)}) for directory, table in run_tables]
-    for sweep_dir, table in sweep_tables:
-        owners = {
-            run_id: str(directory)
-            for directory, run in run_tables
-            if directory.is_relative_to(sweep_dir)
-            for run_id in run["run_id"].unique()
-        }
-        run_dir = table["run_id"].astype(str).map(owners)
+    runs = {lexical(directory): (str(directory), set(run["run_id"])) for directory, run in run_tables}
+    for sweep_dir, table, row_dirs in sweep_tables:
+        owners = [runs.get(lexical(directory), (None, set())) for directory in row_dirs]
+        run_dir = pd.Series([d if i in ids else None for (d, ids), i in zip(owners, table["run_id"], strict=True)],
+                            index=table.index, dtype=object)  # fmt: skip
         if run_dir.isna().any():  # an earlier sweep's verdicts, of runs this sweep no longer holds complete
             strangers = sorted(table.loc[run_dir.isna(), "run_id"].astype(str).unique())
             raise TableError(
@@ -159,7 +165,7 @@ def load_checks(path: str | os.PathLike[str]) -> pd.DataFrame:
     runs = [(d, read_run_table(d, CHECKS_TABLE, CHECKS_SCHEMA)) for d in run_dirs(path)]
     found = Path(path).rglob(SWEEP_CHECKS_TABLE)
     sweep_tables = sorted((p for p in found if enclosing_sweep(p.parent) is None), key=natural_key)
-    sweeps = [(p.parent, read_table(p, CHECKS_SCHEMA).to_pandas()) for p in sweep_tables]
+    sweeps = [(p.parent, *read_sweep_checks(p)) for p in sweep_tables]
     frame = checks_frame(runs, sweeps)
     if not len(frame):
         raise TablesNotFoundError(f"the {CHECKS_TABLE} tables under {str(path)!r} hold no rows")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from itertools import combinations
 from pathlib import Path
@@ -39,6 +39,7 @@ from rlsweep.tables import (
     TableError,
     read_metadata,
     read_table,
+    with_metadata,
     write_tables,
 )
 from rlsweep.verdicts import (
@@ -61,6 +62,9 @@ COMPARABLE_COLUMNS = ("model", "weight_hash", "workload", "workload_hash", "seed
 DECLARED_BY = ("judgment", "lhs_cell", "tensor")  # the columns an expected_red declaration selects rows by
 VERDICT_GROUPS = ("profile", "tp", "judgment")
 VERDICT_COUNTS = ("passed", "failed", "unexpected")  # unexpected: passed != expected_pass
+# A sweep row's run (its lhs run's dir): run_ids repeat across sweeps of one config (two commits' under outputs/),
+# so sweep_checks.parquet records each row's run dir, relative to its own dir, in its metadata under this key.
+ROW_RUN_DIR = "run_dir"
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,7 @@ class GateResult:
     sweep_checks: pd.DataFrame
     run_checks: pd.DataFrame
     scope: str = ""  # where only part of a sweep was judged: which jobs of which sweep (``discover``)
+    sweep_run_dirs: list[Path] = field(default_factory=list)  # each sweep_checks row's run: its lhs run's dir
 
     @property
     def runs_judged(self) -> str:
@@ -209,7 +214,7 @@ def run_gate(root: str | Path) -> GateResult:
     rows += declaration_check(runs, rows, compared)
     sweep_checks = pd.DataFrame(rows, columns=CHECKS_SCHEMA.names).astype({"passed": bool, "expected_pass": bool})
     run_checks = pd.concat([run.checks for run in runs], ignore_index=True) if runs else sweep_checks.iloc[:0]
-    return GateResult(runs, incomplete, sweep_checks, run_checks, scope)
+    return GateResult(runs, incomplete, sweep_checks, run_checks, scope, [row[ROW_RUN_DIR] for row in rows])
 
 
 def declaration_check(
@@ -413,13 +418,31 @@ def backend_parity(lhs: RunTables, rhs: RunTables) -> list[Verdict]:
 
 
 def verdict_rows(run: RunTables, verdicts: Sequence[Verdict]) -> list[dict[str, Any]]:
-    return [{**run.run, **asdict(verdict)} for verdict in verdicts]
+    return [{**run.run, **asdict(verdict), ROW_RUN_DIR: run.directory} for verdict in verdicts]
 
 
 def write_sweep_outputs(root: Path, result: GateResult) -> None:
-    """sweep_checks.parquet (same schema as checks.parquet) and summary.md, both written atomically."""
+    """sweep_checks.parquet (same schema as checks.parquet, each row's run dir in its metadata) and summary.md, both
+    written atomically."""
     table = pa.Table.from_pandas(result.sweep_checks, schema=CHECKS_SCHEMA, preserve_index=False)
+    table = with_metadata(table, {ROW_RUN_DIR: [os.path.relpath(path, root) for path in result.sweep_run_dirs]})
     write_tables(root, {SWEEP_CHECKS_TABLE: table}, files={SUMMARY_FILE: summary_markdown(result)})
+
+
+def read_sweep_checks(path: Path) -> tuple[pd.DataFrame, list[Path]]:
+    """A sweep_checks.parquet and each row's run dir (``write_sweep_outputs``); one that does not record them is not
+    the gate's: it cannot say whose verdicts its rows are."""
+    table = read_table(path, CHECKS_SCHEMA)
+    try:
+        run_dirs = read_metadata(path).get(ROW_RUN_DIR)
+    except TableError:
+        run_dirs = None
+    if not isinstance(run_dirs, list) or len(run_dirs) != len(table) or not all(isinstance(d, str) for d in run_dirs):
+        raise TableError(
+            f"{str(path)!r} does not record the run dir of each of its {len(table)} rows, so whose verdicts they are "
+            f"is unknown (an older rlsweep wrote it, or not the gate): python -m rlsweep.check {path.parent} writes it"
+        )
+    return table.to_pandas(), [path.parent / directory for directory in run_dirs]
 
 
 def remove_sweep_outputs(root: Path) -> None:

@@ -340,7 +340,8 @@ def render_html(title: str, sections: Sequence[Section], images: dict[str, bytes
 def write_report(root: Path, out: Path, result: GateResult) -> list[Path]:
     """The report of ``result`` (gate over ``root``) into ``out``; returns the files written."""
     tokens = analysis.tokens_frame([(run.directory, run.tokens) for run in result.runs])
-    checks = analysis.checks_frame([(run.directory, run.checks) for run in result.runs], [(root, result.sweep_checks)])
+    runs = [(run.directory, run.checks) for run in result.runs]
+    checks = analysis.checks_frame(runs, [(root, result.sweep_checks, result.sweep_run_dirs)])
     accuracy_rows = checks[
         (checks["judgment"] == Judgment.FORWARD_ACCURACY)
         & (checks["tensor"] == "logp")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 from pathlib import Path
 
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute
 import pyarrow.parquet as pq
 import pytest
 from rlsweep_fixtures import multirun, table_file
@@ -16,6 +19,7 @@ from rlsweep.check import main as check_main
 from rlsweep.errors import SelectionError, TablesNotFoundError
 from rlsweep.gate import SWEEP_CHECKS_TABLE, VERDICT_COUNTS
 from rlsweep.layouts import CANONICAL_CELL
+from rlsweep.manifest import MANIFEST_FILE
 from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, PARTITION_KEY, RUN_COLUMNS, TOKENS_TABLE, TableError
 
 # One worker builds the shared small_sweep (conftest) once and runs every test that reads it.
@@ -187,10 +191,13 @@ def test_sweep_rows_of_runs_not_loaded_are_refused(small_sweep, tmp_path):
     shutil.copytree(small_sweep, sweep_dir)
     stale = pd.read_parquet(sweep_dir / SWEEP_CHECKS_TABLE)
     stale.loc[0, "run_id"] = "0123456789abcdef"
-    pq.write_table(
-        pa.Table.from_pandas(stale, schema=CHECKS_SCHEMA, preserve_index=False), sweep_dir / SWEEP_CHECKS_TABLE
-    )
+    table = pa.Table.from_pandas(stale, schema=CHECKS_SCHEMA, preserve_index=False)
+    metadata = pq.read_schema(sweep_dir / SWEEP_CHECKS_TABLE).metadata  # each row's run dir, as the gate wrote it
+    pq.write_table(table.replace_schema_metadata(metadata), sweep_dir / SWEEP_CHECKS_TABLE)
     with pytest.raises(TableError, match=rf"{SWEEP_CHECKS_TABLE}.*0123456789abcdef"):
+        analysis.load_checks(sweep_dir)
+    pq.write_table(table, sweep_dir / SWEEP_CHECKS_TABLE)  # no record of whose rows they are
+    with pytest.raises(TableError, match=rf"{SWEEP_CHECKS_TABLE}.*does not record the run dir of each of its"):
         analysis.load_checks(sweep_dir)
 
 
@@ -205,6 +212,30 @@ def test_a_sweep_checked_again_from_its_parent_dir_counts_each_verdict_once(smal
         checks[analysis.LEVEL] == analysis.SWEEP_LEVEL
     ).sum()
     assert analysis.summary(again).equals(analysis.summary(checks))
+
+
+def test_sweep_rows_are_of_their_own_sweeps_runs_where_sweeps_share_run_ids(small_sweep, tmp_path):
+    # Two sweeps of one config (two commits' under outputs/) have the same run ids; their verdicts differ here.
+    for name in ("a", "b"):
+        shutil.copytree(small_sweep, tmp_path / name, ignore=shutil.ignore_patterns(".rlsweep.lock"))
+    job = tmp_path / "b" / "1"
+    path = table_file(job, TOKENS_TABLE)
+    table = pq.read_table(path)
+    logp = table.schema.get_field_index("logp")
+    pq.write_table(
+        table.set_column(logp, "logp", pa.compute.multiply(table["logp"], pa.scalar(1.001, pa.float32()))), path
+    )
+    manifest = json.loads((job / MANIFEST_FILE).read_text())
+    manifest["tables"][TOKENS_TABLE]["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (job / MANIFEST_FILE).write_text(json.dumps(manifest))
+    assert check_main([str(tmp_path / "b")]) == check_main([str(tmp_path)]) == 2
+    checks = analysis.load_checks(tmp_path)
+    rows = checks[checks[analysis.LEVEL] == analysis.SWEEP_LEVEL]
+    for name in ("a", "b"):
+        own = analysis.load_checks(tmp_path / name)
+        own = own[own[analysis.LEVEL] == analysis.SWEEP_LEVEL]
+        mine = rows[rows[analysis.RUN_DIR].astype(str).str.startswith(str(tmp_path / name))]
+        assert sorted(mine["detail"]) == sorted(own["detail"]), name
 
 
 def test_a_job_dir_checked_alone_adds_no_verdict_to_its_sweep(tmp_path):
