@@ -28,7 +28,7 @@ from rlsweep.discovery import discover, enclosing_sweep, lexical
 from rlsweep.errors import OutputDirError, TablesNotFoundError
 from rlsweep.exitcodes import ExitCode, combine
 from rlsweep.judgments import apply_expected, compare_tokens, declaration_verdict
-from rlsweep.manifest import MANIFEST_FILE, input_paths, verify_run
+from rlsweep.manifest import MANIFEST_FILE, canonical_sha256, input_paths, read_manifest, verify_run
 from rlsweep.spec import CANONICAL_CELL, ExpectedRed, declarations_of
 from rlsweep.tables import (
     CHECKS_SCHEMA,
@@ -65,6 +65,7 @@ VERDICT_COUNTS = ("passed", "failed", "unexpected")  # unexpected: passed != exp
 # A sweep row's run (its lhs run's dir): run_ids repeat across sweeps of one config (two commits' under outputs/),
 # so sweep_checks.parquet records each row's run dir, relative to its own dir, in its metadata under this key.
 ROW_RUN_DIR = "run_dir"
+JUDGED_RUNS = "judged_runs"  # and the manifest digest of every run it judged, by run dir: a rerun makes it stale
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class RunTables:
     tokens: pd.DataFrame
     checks: pd.DataFrame
     inputs: dict[str, str]  # sha256 of each input file the run read, by input name (its manifest's ``inputs``)
+    manifest_sha256: str = ""  # of its manifest as read (``manifest_digest``): a rerun's differs, run_id or not
 
     @property
     def label(self) -> str:
@@ -142,7 +144,14 @@ def load_run(directory: Path) -> RunTables:
     metadata = read_metadata(files[CHECKS_TABLE])
     run = checks.iloc[0][RUN_COLUMNS.names].to_dict()
     contract = contract_from_mapping(metadata["contract"], source=f"{files[CHECKS_TABLE]} metadata")
-    return RunTables(directory, run, metadata["config"], contract, tokens, checks, dict(state.manifest["inputs"]))
+    inputs = dict(state.manifest["inputs"])
+    return RunTables(directory, run, metadata["config"], contract, tokens, checks, inputs, manifest_digest(directory))
+
+
+def manifest_digest(directory: Path) -> str | None:
+    """The sha256 of the manifest in ``directory`` (None without one): a rerun writes another, whatever its run_id."""
+    manifest, _ = read_manifest(directory)
+    return None if manifest is None else canonical_sha256(manifest)
 
 
 def changed_inputs(runs: Sequence[RunTables]) -> list[str]:
@@ -425,22 +434,35 @@ def write_sweep_outputs(root: Path, result: GateResult) -> None:
     """sweep_checks.parquet (same schema as checks.parquet, each row's run dir in its metadata) and summary.md, both
     written atomically."""
     table = pa.Table.from_pandas(result.sweep_checks, schema=CHECKS_SCHEMA, preserve_index=False)
-    table = with_metadata(table, {ROW_RUN_DIR: [os.path.relpath(path, root) for path in result.sweep_run_dirs]})
+    judged = {os.path.relpath(run.directory, root): run.manifest_sha256 for run in result.runs}
+    run_dirs = [os.path.relpath(path, root) for path in result.sweep_run_dirs]
+    table = with_metadata(table, {ROW_RUN_DIR: run_dirs, JUDGED_RUNS: judged})
     write_tables(root, {SWEEP_CHECKS_TABLE: table}, files={SUMMARY_FILE: summary_markdown(result)})
 
 
 def read_sweep_checks(path: Path) -> tuple[pd.DataFrame, list[Path]]:
     """A sweep_checks.parquet and each row's run dir (``write_sweep_outputs``); one that does not record them is not
-    the gate's: it cannot say whose verdicts its rows are."""
+    the gate's: it cannot say whose verdicts its rows are. One whose judged runs were run again since is stale."""
     table = read_table(path, CHECKS_SCHEMA)
     try:
-        run_dirs = read_metadata(path).get(ROW_RUN_DIR)
+        metadata = read_metadata(path)
     except TableError:
-        run_dirs = None
-    if not isinstance(run_dirs, list) or len(run_dirs) != len(table) or not all(isinstance(d, str) for d in run_dirs):
+        metadata = {}
+    run_dirs, judged = metadata.get(ROW_RUN_DIR), metadata.get(JUDGED_RUNS)
+    if not (isinstance(run_dirs, list) and len(run_dirs) == len(table) and all(isinstance(d, str) for d in run_dirs)
+            and isinstance(judged, dict)):  # fmt: skip
         raise TableError(
             f"{str(path)!r} does not record the run dir of each of its {len(table)} rows, so whose verdicts they are "
             f"is unknown (an older rlsweep wrote it, or not the gate): python -m rlsweep.check {path.parent} writes it"
+        )
+    changed = sorted(
+        directory for directory, digest in judged.items() if manifest_digest(path.parent / directory) != digest
+    )
+    if changed:
+        raise TableError(
+            f"{str(path)!r} holds the verdicts of runs that were run again or removed since ({', '.join(changed[:4])}"
+            f"{' and more' if len(changed) > 4 else ''}): the table is stale; python -m rlsweep.check {path.parent} "
+            "writes it again"
         )
     return table.to_pandas(), [path.parent / directory for directory in run_dirs]
 

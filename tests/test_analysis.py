@@ -214,11 +214,8 @@ def test_a_sweep_checked_again_from_its_parent_dir_counts_each_verdict_once(smal
     assert analysis.summary(again).equals(analysis.summary(checks))
 
 
-def test_sweep_rows_are_of_their_own_sweeps_runs_where_sweeps_share_run_ids(small_sweep, tmp_path):
-    # Two sweeps of one config (two commits' under outputs/) have the same run ids; their verdicts differ here.
-    for name in ("a", "b"):
-        shutil.copytree(small_sweep, tmp_path / name, ignore=shutil.ignore_patterns(".rlsweep.lock"))
-    job = tmp_path / "b" / "1"
+def run_again(job: Path) -> None:
+    """As a rerun of ``job`` with other code leaves it: the same run_id, other logp bits, a new manifest."""
     path = table_file(job, TOKENS_TABLE)
     table = pq.read_table(path)
     logp = table.schema.get_field_index("logp")
@@ -228,6 +225,13 @@ def test_sweep_rows_are_of_their_own_sweeps_runs_where_sweeps_share_run_ids(smal
     manifest = json.loads((job / MANIFEST_FILE).read_text())
     manifest["tables"][TOKENS_TABLE]["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
     (job / MANIFEST_FILE).write_text(json.dumps(manifest))
+
+
+def test_sweep_rows_are_of_their_own_sweeps_runs_where_sweeps_share_run_ids(small_sweep, tmp_path):
+    # Two sweeps of one config (two commits' under outputs/) have the same run ids; their verdicts differ here.
+    for name in ("a", "b"):
+        shutil.copytree(small_sweep, tmp_path / name, ignore=shutil.ignore_patterns(".rlsweep.lock"))
+    run_again(tmp_path / "b" / "1")
     assert check_main([str(tmp_path / "b")]) == check_main([str(tmp_path)]) == 2
     checks = analysis.load_checks(tmp_path)
     rows = checks[checks[analysis.LEVEL] == analysis.SWEEP_LEVEL]
@@ -236,6 +240,17 @@ def test_sweep_rows_are_of_their_own_sweeps_runs_where_sweeps_share_run_ids(smal
         own = own[own[analysis.LEVEL] == analysis.SWEEP_LEVEL]
         mine = rows[rows[analysis.RUN_DIR].astype(str).str.startswith(str(tmp_path / name))]
         assert sorted(mine["detail"]) == sorted(own["detail"]), name
+
+
+def test_sweep_rows_of_runs_run_again_since_are_refused(small_sweep, tmp_path):
+    # A dir's gate judged its sweep; the sweep's job ran again (same run ids) and its own gate wrote anew.
+    shutil.copytree(small_sweep, tmp_path / "a", ignore=shutil.ignore_patterns(".rlsweep.lock"))
+    assert check_main([str(tmp_path)]) == 2
+    run_again(tmp_path / "a" / "1")
+    assert check_main([str(tmp_path / "a")]) == 2
+    assert len(analysis.load_checks(tmp_path / "a"))
+    with pytest.raises(TableError, match=rf"{tmp_path / SWEEP_CHECKS_TABLE}.*run again or removed since \(a/1\)"):
+        analysis.load_checks(tmp_path)
 
 
 def test_a_job_dir_checked_alone_adds_no_verdict_to_its_sweep(tmp_path):
