@@ -25,8 +25,8 @@ import torch
 import kernels
 from rlsweep.contract import Contract, contract_from_mapping, op_class
 from rlsweep.discovery import discover, enclosing_sweep, lexical
-from rlsweep.errors import OutputDirError, TablesNotFoundError
-from rlsweep.exitcodes import ExitCode, combine
+from rlsweep.errors import ContractError, OutputDirError, TablesNotFoundError
+from rlsweep.exitcodes import ExitCode, combine, one_line
 from rlsweep.judgments import apply_expected, compare_tokens, declaration_verdict
 from rlsweep.manifest import MANIFEST_FILE, canonical_sha256, input_paths, read_manifest, verify_run
 from rlsweep.spec import CANONICAL_CELL, ExpectedRed, declarations_of
@@ -141,11 +141,33 @@ def load_run(directory: Path) -> RunTables:
     checks = read_table(files[CHECKS_TABLE], CHECKS_SCHEMA).to_pandas()
     if not len(checks):
         raise TableError(f"{str(files[CHECKS_TABLE])!r} holds no verdict (every run judges its contract)")
-    metadata = read_metadata(files[CHECKS_TABLE])
+    config, contract = run_metadata(
+        files[CHECKS_TABLE], state.manifest["config_sha256"], set(checks["contract_sha256"])
+    )
     run = checks.iloc[0][RUN_COLUMNS.names].to_dict()
-    contract = contract_from_mapping(metadata["contract"], source=f"{files[CHECKS_TABLE]} metadata")
     inputs = dict(state.manifest["inputs"])
-    return RunTables(directory, run, metadata["config"], contract, tokens, checks, inputs, manifest_digest(directory))
+    return RunTables(directory, run, config, contract, tokens, checks, inputs, manifest_digest(directory))
+
+
+def run_metadata(path: Path, config_sha256: str, judged_by: set[str]) -> tuple[dict[str, Any], Contract]:
+    """The config and contract a checks table's metadata holds, once they are the run's own: the config its manifest
+    hashed and the contract its rows name. The gate takes declarations, inputs and thresholds from them."""
+    metadata = read_metadata(path)
+    config = metadata.get("config")
+    if not isinstance(config, dict) or canonical_sha256(config) != config_sha256:
+        raise TableError(
+            f"{str(path)!r}: its metadata's config is not the one its run's manifest names (sha256 differs)"
+        )
+    try:
+        contract = contract_from_mapping(metadata.get("contract"), source=f"{path} metadata")
+    except (ContractError, KeyError, TypeError) as err:
+        raise TableError(f"{str(path)!r}: its metadata holds no readable contract: {one_line(err)}") from err
+    if judged_by != {contract.sha256}:
+        raise TableError(
+            f"{str(path)!r}: its metadata's contract (sha256 {contract.sha256[:12]}) is not the one its rows were "
+            f"judged by ({', '.join(sorted(digest[:12] for digest in judged_by))})"
+        )
+    return config, contract
 
 
 def manifest_digest(directory: Path) -> str | None:

@@ -38,9 +38,17 @@ from rlsweep.gate import (
     without_baseline,
 )
 from rlsweep.locks import locked
-from rlsweep.manifest import HYDRA_CONFIG, MANIFEST_FILE
+from rlsweep.manifest import HYDRA_CONFIG, MANIFEST_FILE, file_sha256
 from rlsweep.report import main as report_main
-from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, PART_FILE, TOKENS_TABLE, TableError, read_table
+from rlsweep.tables import (
+    CHECKS_SCHEMA,
+    CHECKS_TABLE,
+    METADATA_KEY,
+    PART_FILE,
+    TOKENS_TABLE,
+    TableError,
+    read_table,
+)
 
 # One worker builds the module's green sweep once and runs every test here.
 pytestmark = pytest.mark.xdist_group("fail_closed")
@@ -140,6 +148,35 @@ def test_a_rewritten_table_with_valid_parquet_is_not_trusted(sweep, capsys):
     code, output = check(sweep, capsys)
     assert code == ExitCode.INCOMPLETE, output
     assert "sha256 differs" in output
+
+
+def weaken_chain_limits(metadata: dict) -> None:
+    metadata["contract"]["chain_logprob_aggregates"]["clip_interval"] = [1e-300, 1e300]
+
+
+# Metadata edited and the manifest's sha256 of the table made to match (as a hand-edit of both would): the gate takes
+# declarations, inputs and thresholds from that metadata, so it must be the run's own or the run is not trusted.
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda metadata: metadata.pop("contract"), "its metadata holds no readable contract"),
+        (weaken_chain_limits, "its metadata's contract (sha256 "),
+        (lambda metadata: metadata["config"].update(seed=7), "its metadata's config is not the one its run's manifest"),
+    ],
+    ids=["no contract", "another contract", "another config"],
+)
+def test_table_metadata_that_is_not_the_runs_own_is_refused_naming_the_table(sweep, capsys, edit, message):
+    path = table_file(sweep / "1", CHECKS_TABLE)
+    table = pq.read_table(path)
+    metadata = json.loads(table.schema.metadata[METADATA_KEY])
+    edit(metadata)
+    pq.write_table(table.replace_schema_metadata({METADATA_KEY: json.dumps(metadata).encode()}), path)
+    manifest_path = sweep / "1" / MANIFEST_FILE
+    manifest = json.loads(manifest_path.read_text())
+    manifest["tables"][CHECKS_TABLE]["sha256"] = file_sha256(path, "table")
+    manifest_path.write_text(json.dumps(manifest))
+    code, output = check(sweep, capsys)
+    assert code == ExitCode.ERROR and f"{str(path)!r}: {message}" in output, output
 
 
 def test_a_tampered_manifest_is_incomplete(sweep, capsys):
