@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -92,14 +93,25 @@ def normalize(frame: pd.DataFrame, schema: pa.Schema) -> pd.DataFrame:
     return out
 
 
+class IncompleteRunsWarning(UserWarning):
+    """Runs or jobs under a loaded path that are missing or incomplete: the frame leaves them out."""
+
+
 def run_dirs(path: str | os.PathLike[str]) -> list[Path]:
     """Every complete run dir under ``path`` (itself included), in natural order."""
     root = Path(path)
     if not root.is_dir():
         raise TablesNotFoundError(f"{str(root)!r} is not a directory (expected a run dir, a sweep dir or outputs/)")
-    complete, _, _ = discover(root)
+    complete, incomplete, _ = discover(root)
     if not complete:
         raise TablesNotFoundError(f"no complete rlsweep run ({MANIFEST_FILE} naming its tables) under {str(root)!r}")
+    if incomplete:  # left out, as the gate leaves them; a frame that says nothing of them would read as the whole
+        warnings.warn(
+            f"{len(incomplete)} thing(s) under {str(root)!r} missing or incomplete, left out of the frame (first: "
+            f"{incomplete[0]}); python -m rlsweep.check {root} lists them",
+            IncompleteRunsWarning,
+            stacklevel=3,
+        )
     return sorted(complete, key=natural_key)
 
 

@@ -286,3 +286,16 @@ def test_bad_arguments_to_the_helpers_are_typed_errors_naming_them(tokens, case)
     call, match = BAD_ARGUMENTS[case]
     with pytest.raises(SelectionError, match=match):
         call(tokens)
+
+
+def test_runs_left_out_of_a_frame_are_named_in_a_warning(small_sweep, tmp_path):
+    """A frame of part of the runs must not read as the whole: the ones left out are named, as check names them."""
+    sweep_dir = tmp_path / "sweep"
+    shutil.copytree(small_sweep, sweep_dir, ignore=shutil.ignore_patterns(".rlsweep.lock"))
+    whole = analysis.load_tokens(sweep_dir)
+    (sweep_dir / "1" / MANIFEST_FILE).unlink()  # job 1 died before its manifest
+    with pytest.warns(analysis.IncompleteRunsWarning, match=r"\d+ thing\(s\) under .* missing or incomplete") as caught:
+        part = analysis.load_tokens(sweep_dir)
+    assert (
+        "job #1" in str(caught[0].message) and 0 < part[analysis.RUN_DIR].nunique() < whole[analysis.RUN_DIR].nunique()
+    )
