@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlsweep.errors import ConfigError
 from rlsweep.spec import CANONICAL_CELL, CELL_KINDS, DECODE_CELL, NEEDLE, LayoutSpec
 from rlsweep.workload import Workload, WorkloadShape
 
@@ -144,8 +145,32 @@ assert tuple(CELL_BUILDERS) == CELL_KINDS
 
 
 def plan_cells(layout: LayoutSpec, workload: Workload) -> list[Cell]:
-    """Every cell of the layout, canonical first."""
-    return [cell for kind in layout.cells for cell in CELL_BUILDERS[kind](workload, layout)]
+    """Every cell of the layout, canonical first; none may make the canonical cell's calls again."""
+    cells = [cell for kind in layout.cells for cell in CELL_BUILDERS[kind](workload, layout)]
+    same = same_as_canonical(cells)
+    if same:
+        kept = [kind for kind in layout.cells if not any(name.startswith(kind) for name in same)]
+        raise ConfigError(
+            f"layout cell(s) {', '.join(same)} make the very calls of {CANONICAL_CELL} for this workload (sample "
+            f"lengths {list(workload.seq_lens)}, layout.chunk_size={layout.chunk_size}): their invariance verdicts "
+            "could show nondeterminism only, never a layout's effect; leave them out (layout.cells=["
+            + ",".join(kept)
+            + "]) or use a workload whose samples make them differ"
+        )
+    return cells
+
+
+def same_as_canonical(cells: list[Cell]) -> list[str]:
+    """Names of the cells (after the first, the canonical one) whose calls are the canonical cell's, row for row."""
+    canonical = cells[0].calls
+
+    def same(calls: tuple[Call, ...]) -> bool:
+        return len(calls) == len(canonical) and all(
+            torch.equal(a.logical, b.logical) and torch.equal(a.filler, b.filler)
+            for a, b in zip(calls, canonical, strict=True)
+        )
+
+    return [cell.name for cell in cells[1:] if same(cell.calls)]
 
 
 def largest_calls(layout: LayoutSpec, shape: WorkloadShape) -> dict[str, int]:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from rlsweep_fixtures import build_inputs, compose_run
 
 import kernels
 from rlsweep.config import run_spec
+from rlsweep.errors import ConfigError
 from rlsweep.layouts import plan_cells, restore_logical_order
 from rlsweep.spec import CANONICAL_CELL, CELL_KINDS, DECODE_CELL
 
@@ -74,3 +77,20 @@ def test_hidden_states_depend_only_on_seed_sample_and_position(cfg, workload):
         logical = int(workload.sample_rows(sample)[position])
         assert torch.equal(other.hidden[row], workload.hidden[logical])
     assert bool((workload.targets[~workload.active] == kernels.IGNORE_INDEX).all())
+
+
+# Workloads on which some cells of layout=full make the very calls of BN/packed: a verdict on them could show
+# nondeterminism only, so the run refuses them by name and says which cells to keep.
+@pytest.mark.parametrize(
+    ("overrides", "same"),
+    [
+        (["workload.seq_lens=[12]", "workload.prompt_lens=[4]"], "BN/pad_right, BN/pad_left, BN/permuted, B1/full"),
+        (["workload.seq_lens=[9,9]", "workload.prompt_lens=[3,3]"], "BN/pad_right, BN/pad_left"),
+        (["layout.chunk_size=19"], "BN/chunked"),
+    ],
+    ids=["one sample", "equal lengths", "one chunk per sample"],
+)
+def test_cells_that_make_the_canonical_calls_again_are_refused_by_name(overrides, same):
+    spec = run_spec(compose_run("layout=full", *overrides))
+    with pytest.raises(ConfigError, match=re.escape(f"layout cell(s) {same} make the very calls of {CANONICAL_CELL}")):
+        plan_cells(spec.layout, build_inputs(spec)[1])
