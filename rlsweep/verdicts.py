@@ -1,4 +1,4 @@
-"""The vocabulary of checks.parquet: judgment and tensor names, the verdict row, and "as expected" (docs/tables.md).
+"""The vocabulary of the checks table: judgment and tensor names, the verdict row, and "as expected" (docs/tables.md).
 
 Every module that writes, counts or reads verdicts takes its names and its rule from here.
 """
@@ -65,7 +65,7 @@ def as_expected(passed: Any, expected_pass: Any) -> Any:
 
 @dataclass(frozen=True)
 class Verdict:
-    """One row of checks.parquet without the run columns."""
+    """One row of the checks table without the run columns."""
 
     judgment: str
     tensor: str
