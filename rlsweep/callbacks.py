@@ -52,6 +52,17 @@ def check_output_dir(directory: str, key: str) -> None:
         raise ConfigError(f"output directory {directory!r} ({key}) cannot be written: {reason}")
 
 
+def check_start_dir(config: DictConfig) -> None:
+    """A run reads and writes every path it is given (hydra.sweep.dir, tables_dir, the weight and replay files) from
+    where rlsweep started: a job that changed into its own dir would write a sweep's tables under the job's dir."""
+    if config.hydra.job.chdir:
+        raise ConfigError(
+            "hydra.job.chdir=true: rlsweep reads every path it is given (hydra.sweep.dir, tables_dir, weight and "
+            "replay files) from where it was started, so a job in its own dir would read and write them elsewhere; "
+            "leave hydra.job.chdir=false (paths in the config may be absolute)"
+        )
+
+
 def fatal(step: Callable[[], None]) -> None:
     """Run a callback step; any failure is one line and exit 1, which Hydra cannot swallow."""
     try:
@@ -109,6 +120,7 @@ class RlsweepCallback(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         def start() -> None:
+            check_start_dir(config)
             check_output_dir(config.hydra.run.dir, "hydra.run.dir")
             # Before Hydra writes its record of the run into the dir: a sweep's dir is left as it was.
             refuse_run_over_sweep(Path(config.hydra.run.dir), "hydra.run.dir")
@@ -122,6 +134,7 @@ class RlsweepCallback(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         def start() -> None:
+            check_start_dir(config)
             check_output_dir(config.hydra.sweep.dir, "hydra.sweep.dir")
             sweep_dir = Path(config.hydra.sweep.dir)
             refuse_sweep_over_run(sweep_dir)

@@ -14,10 +14,11 @@ from hydra.core.global_hydra import GlobalHydra
 from rlsweep_fixtures import compose_run, multirun, with_fault
 
 from rlsweep import environment
-from rlsweep.callbacks import preflight_jobs
+from rlsweep.callbacks import RlsweepCallback, preflight_jobs
 from rlsweep.check import main as check_main
 from rlsweep.config import job_list, run_spec
 from rlsweep.errors import ConfigError
+from rlsweep.exitcodes import ExitCode
 from rlsweep.gate import SUMMARY_FILE, SWEEP_CHECKS_TABLE
 from rlsweep.manifest import identify
 from rlsweep.tables import CHECKS_TABLE, PART_FILE, TOKENS_TABLE
@@ -149,6 +150,20 @@ def test_jobs_that_spell_one_value_two_ways_stop_the_sweep_before_any_job_runs(v
         with pytest.raises(ConfigError, match=re.escape(f"job #1 (layout=smoke {values[1]}) composes the same run "
                                                         f"config as job #0 (layout=smoke {values[0]})")):  # fmt: skip
             preflight_jobs(config, [("layout=smoke", value) for value in values])
+
+
+@pytest.mark.parametrize("start", ["on_run_start", "on_multirun_start"])
+def test_hydra_job_chdir_is_refused_before_anything_is_written(tmp_path, capsys, start):
+    """In a job that changed into its own dir a relative hydra.sweep.dir named a dir under that job's: the sweep's
+    tables landed there, or outside the sweep dir through ``..`` and the sweep was judged GREEN without them."""
+    overrides = ["layout=smoke", "hydra.job.chdir=true", f"hydra.run.dir={tmp_path}", f"hydra.sweep.dir={tmp_path}"]
+    with initialize_config_module("conf", version_base="1.3"):
+        config = compose("config", overrides=overrides, return_hydra_config=True)
+        with pytest.raises(SystemExit) as stop:
+            getattr(RlsweepCallback(), start)(config)
+    assert stop.value.code == ExitCode.ERROR
+    assert capsys.readouterr().err.startswith("rlsweep: error: hydra.job.chdir=true: rlsweep reads every path")
+    assert not any(tmp_path.iterdir())
 
 
 def test_a_glob_sweep_lists_the_options_of_its_group_as_hydras_sweeper_does():
