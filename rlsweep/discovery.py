@@ -150,13 +150,21 @@ def refuse_sweep_over_run(sweep_dir: Path) -> None:
 
 
 def refuse_run_over_sweep(run_dir: Path, key: str | None = None) -> None:
-    """A single run never writes into a sweep's dir: it would replace the datasets that hold the sweep's partitions."""
+    """A single run never writes into a sweep's dir: it would replace the datasets that hold the sweep's partitions;
+    nor into a dir inside one (a job's dir, a dataset folder): it would replace a job's run or be taken for one."""
     marks = sweep_marks(run_dir)
     if marks:
         raise OutputDirError(
             f"{named_dir(run_dir, key)} holds a sweep ({listed(marks, run_dir)}); a single run there would delete the "
             "sweep's tables: write the run elsewhere (hydra.run.dir=..., tables_dir=...), or run the sweep again with "
             "--multirun to redo its jobs"
+        )
+    outer = enclosing_sweep(run_dir)
+    if outer is not None:
+        raise OutputDirError(
+            f"{named_dir(run_dir, key)} lies inside the sweep {str(outer)!r} ({listed(sweep_marks(outer), outer)}); a "
+            "single run there would replace a job's run or be judged as one of the sweep's: write the run elsewhere "
+            "(hydra.run.dir=..., tables_dir=...), or run the sweep again with --multirun to redo its jobs"
         )
 
 

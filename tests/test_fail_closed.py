@@ -547,6 +547,19 @@ def test_a_single_run_into_a_sweep_dir_is_refused_and_deletes_nothing(sweep, tmp
     assert code == ExitCode.GREEN, output
 
 
+def test_a_single_run_into_a_job_dir_of_a_sweep_is_refused_and_deletes_nothing(sweep, capsys):
+    """A run into a job's dir replaced that job's manifest with its own, leaving its partition unnamed: the sweep
+    was INCOMPLETE, and a resume skipped the job (its dir held a complete run of the same content) so it stayed so."""
+    before = snapshot(sweep)
+    done = run_rlsweep(sweep / "0", "layout=smoke", "tp=1")
+    assert_not_green(done, ExitCode.ERROR)
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert f"{str(sweep / '0')!r} (hydra.run.dir) lies inside the sweep {str(sweep)!r}" in done.stderr
+    assert snapshot(sweep) == before
+    code, output = check(sweep, capsys)
+    assert code == ExitCode.GREEN, output
+
+
 def test_a_second_writer_fails_at_once_naming_the_holder(tmp_path):
     with locked(tmp_path):  # the sweep first: the single run leaves Hydra's record of a run, which a sweep refuses
         sweep = multirun(tmp_path, "layout=smoke", "tp=1")
