@@ -58,9 +58,16 @@ def app(cfg: DictConfig) -> None:
 
 
 def run_at(cfg: DictConfig, location: RunLocation, *, resume: bool, standalone: bool) -> ExitCode:
-    """The run of a composed config at ``location``: its RunSpec is parsed here, at the top, and nowhere else."""
+    """The run of a composed config at ``location``: its RunSpec is parsed here, at the top, and nowhere else.
+
+    A ``sys.exit()`` inside the run (a backend module's, a library's) is its error: let through, exit 0 ended the
+    process GREEN with no tables, and in a sweep skipped the other jobs and the gate.
+    """
     saved = saved_config_sha256(cfg)
-    return run_job(lambda: run_spec(cfg), location, resume=resume, standalone=standalone, saved_config_sha256=saved)
+    try:
+        return run_job(lambda: run_spec(cfg), location, resume=resume, standalone=standalone, saved_config_sha256=saved)
+    except SystemExit as stop:
+        raise RlsweepError(f"the run ended early through sys.exit({stop.code!r}), before its verdicts") from None
 
 
 def command() -> ExitCode:

@@ -341,6 +341,25 @@ def test_a_gate_that_raises_ends_the_sweep_with_exit_1(tmp_path):
     assert "rlsweep: error: RuntimeError: injected gate fault" in done.stderr
 
 
+def test_a_job_that_calls_sys_exit_fails_the_sweep_instead_of_ending_it_green(tmp_path):
+    # SystemExit is no Exception: it left the job and Hydra, and guarded took exit 0 for the sweep's (GREEN, ungated).
+    fault = (
+        "import sys, rlsweep.run\ncompute = rlsweep.run.compute\n"
+        "def exiting(spec, *args, **kwargs):\n"
+        "    if spec.tp == 1: sys.exit()\n"
+        "    return compute(spec, *args, **kwargs)\n"
+        "rlsweep.run.compute = exiting"
+    )
+    done = with_fault(fault, "rlsweep", f"hydra.sweep.dir={tmp_path}", *SMALL, "--multirun")
+    output = done.stdout + done.stderr
+    assert done.returncode == ExitCode.ERROR and "Traceback" not in output and "sweep gate:" not in output, output
+    assert done.stderr.splitlines()[-1] == (
+        "rlsweep: error: job #0 (profile=cpu_bf16 layout=smoke tp=1) failed: the run ended early through "
+        "sys.exit(None), before its verdicts"
+    )
+    assert set(pd.read_parquet(tmp_path / CHECKS_TABLE, columns=["tp"])["tp"]) == {2}  # the other job ran
+
+
 JOBLIB = ("hydra/launcher=joblib", "hydra.launcher.n_jobs=2")  # two workers: the jobs run in other processes
 
 
