@@ -47,6 +47,9 @@ SESSION = Session()
 
 
 def check_output_dir(directory: str, key: str) -> None:
+    """``directory`` can be written; an empty one (a quoted unset variable) is never taken for the current dir."""
+    if not str(directory).strip():
+        raise ConfigError(f"{key}={directory!r} is empty: name the output directory ('.' for the current directory)")
     reason = unwritable_reason(Path(directory))
     if reason:
         raise ConfigError(f"output directory {directory!r} ({key}) cannot be written: {reason}")

@@ -166,6 +166,24 @@ def test_hydra_job_chdir_is_refused_before_anything_is_written(tmp_path, capsys,
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize(
+    ("start", "key"), [("on_run_start", "hydra.run.dir"), ("on_multirun_start", "hydra.sweep.dir")]
+)
+def test_an_empty_output_dir_is_refused_not_taken_for_the_current_dir(tmp_path, monkeypatch, capsys, start, key):
+    """``hydra.sweep.dir="$OUT"`` with OUT unset wrote the sweep's job dirs and datasets into the current directory."""
+    monkeypatch.chdir(tmp_path)
+    with initialize_config_module("conf", version_base="1.3"):
+        config = compose("config", overrides=["layout=smoke", "tp=1", f"{key}="], return_hydra_config=True)
+        with pytest.raises(SystemExit) as stop:
+            getattr(RlsweepCallback(), start)(config)
+    assert stop.value.code == ExitCode.ERROR
+    assert (
+        capsys.readouterr().err == f"rlsweep: error: {key}='' is empty: name the output directory ('.' for the "
+        "current directory)\n"
+    )
+    assert not any(tmp_path.iterdir())
+
+
 def test_a_glob_sweep_lists_the_options_of_its_group_as_hydras_sweeper_does():
     """``glob(...)`` needs the sweep's config loader to list a group's options; without it the sweep stopped on
     Hydra's "ConfigLoader is not set", naming nothing."""
