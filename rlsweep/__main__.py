@@ -21,7 +21,7 @@ from rlsweep.callbacks import SESSION, require_callback
 from rlsweep.check import gate_directory
 from rlsweep.config import register_configs, run_spec, saved_config_sha256
 from rlsweep.errors import ConfigError, RlsweepError
-from rlsweep.exitcodes import ExitCode, guarded, one_line
+from rlsweep.exitcodes import ExitCode, guarded, one_line, stop_on_sigterm
 from rlsweep.job import run_job
 from rlsweep.run import choose_triton_mode
 from rlsweep.tables import RunLocation
@@ -82,6 +82,7 @@ def command() -> ExitCode:
 def main() -> int:
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # read by Hydra when it reports an error: re-raise it to us
     sys.argv[0] = PROG  # usage lines and shell completion name the command, not __main__.py
+    stop_on_sigterm()
     return int(guarded(PROG, command))
 
 

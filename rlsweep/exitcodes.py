@@ -6,9 +6,11 @@ stops a command is ERROR, and missing or unverifiable results are INCOMPLETE.
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Callable, Iterable
 from enum import IntEnum
+from typing import Any
 
 import kernels
 from rlsweep.errors import RlsweepError
@@ -47,6 +49,18 @@ def one_line(err: BaseException) -> str:
     return text
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's time limit, a cancelled CI job), raised where the process is (``stop_on_sigterm``): it
+    stops as on Ctrl-C, its cleanups run, and it ends with one line and exit 1, not the signal's silent 143."""
+
+
+def stop_on_sigterm() -> None:
+    def terminated(signum: int, frame: Any) -> None:
+        raise Terminated
+
+    signal.signal(signal.SIGTERM, terminated)
+
+
 def guarded(prog: str, command: Callable[[], ExitCode]) -> ExitCode:
     """Run a command line's body: any exception is one line on stderr and ERROR, never a traceback.
 
@@ -57,8 +71,9 @@ def guarded(prog: str, command: Callable[[], ExitCode]) -> ExitCode:
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
         return ExitCode.GREEN if code == 0 else ExitCode.ERROR
-    except KeyboardInterrupt:
-        print(f"{prog}: error: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as stop:
+        print(f"{prog}: error: {'terminated (SIGTERM)' if isinstance(stop, Terminated) else 'interrupted'}",
+              file=sys.stderr)  # fmt: skip
         return ExitCode.ERROR
     except Exception as err:
         kind = "" if isinstance(err, EXPECTED_ERRORS) else f"{type(err).__name__}: "

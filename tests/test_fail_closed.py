@@ -360,6 +360,15 @@ def test_a_job_that_calls_sys_exit_fails_the_sweep_instead_of_ending_it_green(tm
     assert set(pd.read_parquet(tmp_path / CHECKS_TABLE, columns=["tp"])["tp"]) == {2}  # the other job ran
 
 
+def test_a_sweep_terminated_by_sigterm_ends_with_one_line_and_exit_1(tmp_path):
+    # A scheduler's time limit or a cancelled CI job: the signal's default ended the process silently with 143.
+    fault = "import os, signal, rlsweep.run\nrlsweep.run.compute = lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM)"
+    done = with_fault(fault, "rlsweep", f"hydra.sweep.dir={tmp_path}", *SMALL, "--multirun")
+    assert done.returncode == ExitCode.ERROR, done.stdout + done.stderr
+    assert done.stderr == "rlsweep: error: terminated (SIGTERM)\n"
+    assert "job #1 starting" not in done.stdout and not (tmp_path / CHECKS_TABLE).exists()
+
+
 JOBLIB = ("hydra/launcher=joblib", "hydra.launcher.n_jobs=2")  # two workers: the jobs run in other processes
 
 
