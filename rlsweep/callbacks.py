@@ -25,7 +25,7 @@ from rlsweep.errors import ConfigError
 from rlsweep.exitcodes import ExitCode, one_line
 from rlsweep.gate import remove_sweep_outputs
 from rlsweep.locks import acquire
-from rlsweep.manifest import MANIFEST_FILE, canonical_sha256, verify_run
+from rlsweep.manifest import HYDRA_CONFIG, MANIFEST_FILE, canonical_sha256, verify_run
 from rlsweep.run import preflight
 from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, read_table, unwritable_reason
 from rlsweep.verdicts import as_expected
@@ -63,6 +63,18 @@ def check_start_dir(config: DictConfig) -> None:
             "hydra.job.chdir=true: rlsweep reads every path it is given (hydra.sweep.dir, tables_dir, weight and "
             "replay files) from where it was started, so a job in its own dir would read and write them elsewhere; "
             "leave hydra.job.chdir=false (paths in the config may be absolute)"
+        )
+
+
+def check_hydra_record(config: DictConfig) -> None:
+    """Hydra writes its record of a run where rlsweep reads it (``rlsweep.manifest.HYDRA_CONFIG``): a sweep finds each
+    job's run by the overrides there, and a run's tables count only while they match the config saved there."""
+    subdir = config.hydra.output_subdir
+    if subdir is None or Path(subdir) != HYDRA_CONFIG.parent:
+        raise ConfigError(
+            f"hydra.output_subdir={subdir!r}: rlsweep reads Hydra's record of a run from {str(HYDRA_CONFIG.parent)!r} "
+            "(a sweep finds each job's run by its overrides there: elsewhere it would run every job and find none; a "
+            f"run's tables count only while they match the config saved there); leave it {str(HYDRA_CONFIG.parent)!r}"
         )
 
 
@@ -124,6 +136,7 @@ class RlsweepCallback(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         def start() -> None:
             check_start_dir(config)
+            check_hydra_record(config)
             check_output_dir(config.hydra.run.dir, "hydra.run.dir")
             # Before Hydra writes its record of the run into the dir: a sweep's dir is left as it was.
             refuse_run_over_sweep(Path(config.hydra.run.dir), "hydra.run.dir")
@@ -138,6 +151,7 @@ class RlsweepCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         def start() -> None:
             check_start_dir(config)
+            check_hydra_record(config)
             check_output_dir(config.hydra.sweep.dir, "hydra.sweep.dir")
             sweep_dir = Path(config.hydra.sweep.dir)
             refuse_sweep_over_run(sweep_dir)

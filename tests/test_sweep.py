@@ -166,6 +166,26 @@ def test_hydra_job_chdir_is_refused_before_anything_is_written(tmp_path, capsys,
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("subdir", ["null", "meta"])
+@pytest.mark.parametrize("start", ["on_run_start", "on_multirun_start"])
+def test_a_hydra_record_written_elsewhere_is_refused_before_anything_is_written(tmp_path, capsys, start, subdir):
+    """Without .hydra/overrides.yaml no job's run could be found: the sweep ran every job and was INCOMPLETE."""
+    overrides = [
+        "layout=smoke",
+        f"hydra.output_subdir={subdir}",
+        f"hydra.run.dir={tmp_path}",
+        f"hydra.sweep.dir={tmp_path}",
+    ]
+    with initialize_config_module("conf", version_base="1.3"):
+        config = compose("config", overrides=overrides, return_hydra_config=True)
+        with pytest.raises(SystemExit) as stop:
+            getattr(RlsweepCallback(), start)(config)
+    assert stop.value.code == ExitCode.ERROR
+    shown = "None" if subdir == "null" else repr(subdir)
+    assert capsys.readouterr().err.startswith(f"rlsweep: error: hydra.output_subdir={shown}: rlsweep reads Hydra's")
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize(
     ("start", "key"), [("on_run_start", "hydra.run.dir"), ("on_multirun_start", "hydra.sweep.dir")]
 )
