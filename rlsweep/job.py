@@ -6,15 +6,14 @@ docs/sweeps.md ("Complete") says what a reader may trust: only tables that a mat
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
-from rlsweep.discovery import refuse_run_over_sweep
+from rlsweep.discovery import lexical, refuse_run_over_sweep
 from rlsweep.exitcodes import ExitCode
 from rlsweep.locks import locked
 from rlsweep.manifest import RunIdentity, identify, invalidate, verify_run, write_manifest
 from rlsweep.run import RunOutcome, execute
 from rlsweep.spec import RunSpec
-from rlsweep.tables import CHECKS_TABLE, RunLocation, check_writable
+from rlsweep.tables import CHECKS_TABLE, RUN_TABLES, RunLocation, check_writable
 
 MAX_LISTED = 20
 
@@ -37,10 +36,17 @@ def summary(outcome: RunOutcome) -> str:
     return "\n".join(lines)
 
 
-def already_done(directory: Path, identity: RunIdentity) -> bool:
-    """True when ``directory`` holds a complete run produced by exactly this content (config, files, code)."""
-    state = verify_run(directory)
-    return state.complete and state.manifest.get("content_sha256") == identity.content_sha256
+def already_done(location: RunLocation, identity: RunIdentity) -> bool:
+    """True when the run dir holds a complete run produced by exactly this content (config, files, code), whose tables
+    are this location's: a job's run found in another job's partition (a resumed sweep's jobs in another order, their
+    dirs named by their overrides) runs again, else the job that owns that partition would delete its tables."""
+    state = verify_run(location.run_dir)
+    return (
+        state.complete
+        and state.manifest.get("content_sha256") == identity.content_sha256
+        and {name: lexical(path) for name, path in state.files.items()}
+        == {name: lexical(location.table_file(name)) for name in RUN_TABLES}
+    )
 
 
 def run_job(
@@ -68,7 +74,7 @@ def run_job(
         except BaseException:
             invalidate(location)
             raise
-        if resume and already_done(directory, identity):
+        if resume and already_done(location, identity):
             print(f"rlsweep: skipping: run {identity.run_id} is complete in {directory} (same content)")
             return ExitCode.GREEN
         invalidate(location)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
-from rlsweep_fixtures import compose_run, multirun, with_fault
+from rlsweep_fixtures import compose_run, multirun, table_file, with_fault
 
 from rlsweep import environment
 from rlsweep.callbacks import RlsweepCallback, preflight_jobs
@@ -20,8 +20,9 @@ from rlsweep.config import job_list, run_spec
 from rlsweep.errors import ConfigError
 from rlsweep.exitcodes import ExitCode
 from rlsweep.gate import SUMMARY_FILE, SWEEP_CHECKS_TABLE
+from rlsweep.job import run_job
 from rlsweep.manifest import identify
-from rlsweep.tables import CHECKS_TABLE, PART_FILE, TOKENS_TABLE
+from rlsweep.tables import CHECKS_TABLE, PART_FILE, TOKENS_TABLE, RunLocation
 
 SMALL = ("layout=smoke", "tp=1,2")
 
@@ -231,6 +232,17 @@ def test_rerun_into_the_same_sweep_dir_skips_complete_jobs(tmp_path):
     assert second.returncode == 0, second.stdout + second.stderr
     assert second.stdout.count("is complete in") == 2 and "(same content)" in second.stdout
     assert {path: path.stat().st_mtime_ns for path in tmp_path.rglob(PART_FILE)} == written
+
+
+def test_a_resumed_job_whose_run_lies_in_another_jobs_partition_runs_again(tmp_path, capsys):
+    """With job dirs named by their overrides, a sweep resumed with its jobs in another order found job #0's run
+    complete in job=1's partition and skipped it; job #1 then replaced that partition: INCOMPLETE after the resume."""
+    cfg = compose_run("layout=smoke")
+    run_dir = tmp_path / "layout=smoke"
+    for number in (1, 0):
+        run_job(lambda: run_spec(cfg), RunLocation.sweep_job(run_dir, tmp_path, number), resume=True, standalone=False)
+    assert "skipping" not in capsys.readouterr().out
+    assert table_file(run_dir, TOKENS_TABLE) == tmp_path / TOKENS_TABLE / "job=0" / PART_FILE
 
 
 def other_thread_count(patch: pytest.MonkeyPatch) -> None:
