@@ -117,7 +117,13 @@ def preflight_jobs(config: DictConfig, jobs: list[tuple[str, ...]]) -> None:
     first: dict[str, int] = {}  # the resolved config's hash (a run's id) -> the first job that composes it
     for num, overrides in enumerate(jobs):
         try:
-            spec = run_spec(loader.load_sweep_config(config, list(overrides)))  # its hydra node: its choices
+            job_config = loader.load_sweep_config(config, list(overrides))
+            if job_config.hydra.sweep.dir != config.hydra.sweep.dir:  # it would write its run and tables there
+                raise ConfigError(
+                    f"its hydra.sweep.dir is {job_config.hydra.sweep.dir!r}, not the sweep's "
+                    f"{config.hydra.sweep.dir!r}: hydra.sweep.dir may not depend on a swept value"
+                )
+            spec = run_spec(job_config)  # its hydra node: its choices
             preflight(spec)
         except Exception as err:
             raise ConfigError(f"job #{num} ({' '.join(overrides)}) cannot run: {one_line(err)}") from err

@@ -205,6 +205,15 @@ def test_an_empty_output_dir_is_refused_not_taken_for_the_current_dir(tmp_path, 
     assert not any(tmp_path.iterdir())
 
 
+def test_a_job_whose_sweep_dir_depends_on_a_swept_value_stops_the_sweep_before_any_job_runs():
+    """Its run and tables went to a dir of their own, outside the sweep: the sweep ran it and was INCOMPLETE."""
+    with initialize_config_module("conf", version_base="1.3"):
+        config = compose("config", overrides=["layout=smoke", "hydra.sweep.dir=/out/${tp}"], return_hydra_config=True)
+        with pytest.raises(ConfigError, match=re.escape("job #1 (layout=smoke tp=2) cannot run: its hydra.sweep.dir "
+                                                        "is '/out/2', not the sweep's '/out/1'")):  # fmt: skip
+            preflight_jobs(config, [("layout=smoke", f"tp={tp}") for tp in (1, 2)])
+
+
 def test_a_glob_sweep_lists_the_options_of_its_group_as_hydras_sweeper_does():
     """``glob(...)`` needs the sweep's config loader to list a group's options; without it the sweep stopped on
     Hydra's "ConfigLoader is not set", naming nothing."""
