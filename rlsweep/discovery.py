@@ -139,13 +139,21 @@ def named_dir(directory: Path, key: str | None) -> str:
 
 
 def refuse_sweep_over_run(sweep_dir: Path) -> None:
-    """A sweep never starts in a dir that holds a single run: the gate would take that run for one of its jobs."""
+    """A sweep never starts in a dir that holds a single run: the gate would take that run for one of its jobs; nor in
+    a dir inside another sweep: that sweep's gate would judge it with its own jobs."""
     marks = single_run_marks(sweep_dir)
     if marks:
         raise OutputDirError(
             f"{named_dir(sweep_dir, 'hydra.sweep.dir')} holds a single run ({listed(marks, sweep_dir)}); a sweep "
             "there would mix its jobs' tables with that run's: choose another hydra.sweep.dir (a new one, or a "
             "sweep's to resume it), or move the run away"
+        )
+    outer = enclosing_sweep(sweep_dir)
+    if outer is not None:
+        raise OutputDirError(
+            f"{named_dir(sweep_dir, 'hydra.sweep.dir')} lies inside the sweep {str(outer)!r} "
+            f"({listed(sweep_marks(outer), outer)}), whose gate would judge this sweep's runs with its own jobs: "
+            "choose another hydra.sweep.dir (a new one, or a sweep's to resume it)"
         )
 
 

@@ -7,6 +7,7 @@ code, the one-line message and that nothing prints GREEN. Exit codes: rlsweep.ex
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,8 @@ from safetensors.torch import save_file
 
 from rlsweep import analysis
 from rlsweep.check import main as check_main
-from rlsweep.discovery import JOBS_FILE, MULTIRUN_FILE, write_job_list
+from rlsweep.discovery import JOBS_FILE, MULTIRUN_FILE, refuse_sweep_over_run, write_job_list
+from rlsweep.errors import OutputDirError
 from rlsweep.exitcodes import ExitCode, combine
 from rlsweep.gate import (
     SUMMARY_FILE,
@@ -540,6 +542,16 @@ def test_a_sweep_into_a_single_runs_dir_is_refused_before_any_job(tmp_path):
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert str(tmp_path) in done.stderr and MANIFEST_FILE in done.stderr and "hydra.sweep.dir" in done.stderr
     assert "starting" not in done.stdout and snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("inside", ["nested", TOKENS_TABLE])
+def test_a_sweep_into_a_dir_inside_another_sweep_is_refused(sweep, inside):
+    """Nested, the outer sweep's gate judged the inner one's runs with its own; in its tokens/ folder, the inner one's
+    records and job dirs broke the outer one's dataset for a plain reader, and its check said INCOMPLETE."""
+    with pytest.raises(OutputDirError, match=re.escape(f"{str(sweep / inside)!r} (hydra.sweep.dir) lies inside the "
+                                                       f"sweep {str(sweep)!r} (multirun.yaml, jobs.json")):  # fmt: skip
+        refuse_sweep_over_run(sweep / inside)
+    refuse_sweep_over_run(sweep)  # its own dir: a resume
 
 
 def test_a_single_run_in_a_sweep_dir_is_never_judged_as_one_of_its_runs(sweep, tmp_path, capsys):
