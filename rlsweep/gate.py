@@ -55,6 +55,12 @@ from rlsweep.verdicts import (
 
 SWEEP_CHECKS_TABLE = "sweep_checks.parquet"
 SUMMARY_FILE = "summary.md"
+# What rlsweep.report writes into a dir (DIR or --out): a sweep or run into that dir removes them with the gate's.
+REPORT_MARKDOWN = "report.md"
+REPORT_HTML = "report.html"
+HEATMAP_PNG = "dlogp_heatmap.png"
+HISTOGRAM_PNG = "dlogp_histogram.png"
+REPORT_FILES = (REPORT_MARKDOWN, REPORT_HTML, HEATMAP_PNG, HISTOGRAM_PNG)
 TP_MODE_ORDER = ("emulated", "distributed")  # the baseline of a tp group is emulated when both ran
 # Runs whose tokens can be compared token by token: the same inputs, by their bits (weight_hash, workload_hash:
 # a workload's name does not say its lengths, scale or replay file). A tp group adds the profile.
@@ -490,13 +496,15 @@ def read_sweep_checks(path: Path) -> tuple[pd.DataFrame, list[Path]]:
 
 
 def remove_sweep_outputs(root: Path) -> None:
-    """A sweep's first step once it holds its dir: the last gate's outputs go: no earlier verdict reads as its own."""
-    for path in (root / SWEEP_CHECKS_TABLE, root / SUMMARY_FILE):
+    """A sweep's (or a single run's) first step once it holds its dir: the last gate's outputs and the last report
+    go, so no earlier verdict or report reads as its own."""
+    for path in (root / SWEEP_CHECKS_TABLE, root / SUMMARY_FILE, *(root / name for name in REPORT_FILES)):
         try:
             path.unlink(missing_ok=True)
         except OSError as err:
             raise OutputDirError(
-                f"{str(path)!r} (an earlier gate's output) cannot be removed before this sweep: {err.strerror or err}"
+                f"{str(path)!r} (an earlier gate's or report's output) cannot be removed before this sweep or run: "
+                f"{err.strerror or err}"
             ) from err
 
 

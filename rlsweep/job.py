@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from rlsweep.discovery import lexical, refuse_run_over_sweep
 from rlsweep.exitcodes import ExitCode
+from rlsweep.gate import remove_sweep_outputs
 from rlsweep.locks import locked
 from rlsweep.manifest import RunIdentity, identify, invalidate, verify_run, write_manifest
 from rlsweep.run import RunOutcome, execute
@@ -68,6 +69,8 @@ def run_job(
         refuse_run_over_sweep(directory)
     check_writable(directory)
     with locked(directory):
+        if location.partition is None:  # a sweep removes its own when it starts
+            remove_sweep_outputs(directory)
         try:
             spec = read_spec()
             identity = identify(spec.config, saved_config_sha256)

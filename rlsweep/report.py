@@ -24,7 +24,16 @@ from rlsweep.check import add_directory_argument, console_summary
 from rlsweep.discovery import enclosing_sweep
 from rlsweep.errors import OutputDirError, TablesNotFoundError
 from rlsweep.exitcodes import ExitCode, guarded
-from rlsweep.gate import GateResult, RunTables, reported_only, run_gate
+from rlsweep.gate import (
+    HEATMAP_PNG,
+    HISTOGRAM_PNG,
+    REPORT_HTML,
+    REPORT_MARKDOWN,
+    GateResult,
+    RunTables,
+    reported_only,
+    run_gate,
+)
 from rlsweep.locks import locked
 from rlsweep.manifest import verify_run
 from rlsweep.spec import CANONICAL_CELL
@@ -40,10 +49,6 @@ from rlsweep.tables import (
 from rlsweep.verdicts import REPORTED_ONLY, Judgment, as_expected
 
 PROG = "python -m rlsweep.report"
-REPORT_MARKDOWN = "report.md"
-REPORT_HTML = "report.html"
-HEATMAP_PNG = "dlogp_heatmap.png"
-HISTOGRAM_PNG = "dlogp_histogram.png"
 PLOTS = (HEATMAP_PNG, HISTOGRAM_PNG)
 RED, RED_EXPECTED_RED, EXPECTED_RED = "RED", "RED (declared red, passed)", "expected red"
 FIRST_DIVERGENCE = "first (sample, pos)"

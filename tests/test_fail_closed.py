@@ -28,6 +28,7 @@ from rlsweep.discovery import JOBS_FILE, MULTIRUN_FILE, refuse_sweep_over_run, w
 from rlsweep.errors import OutputDirError
 from rlsweep.exitcodes import ExitCode, combine
 from rlsweep.gate import (
+    REPORT_FILES,
     SUMMARY_FILE,
     SWEEP_CHECKS_TABLE,
     backend_parity,
@@ -397,12 +398,14 @@ def test_a_sweep_removes_the_last_gate_outputs_before_its_jobs_run(tmp_path):
     # An earlier sweep's verdict and summary, then a sweep into the same dir killed before its gate writes.
     (tmp_path / SWEEP_CHECKS_TABLE).write_bytes(b"an earlier sweep's verdicts")
     (tmp_path / SUMMARY_FILE).write_text("sweep gate: 2 runs -> GREEN\n")
+    for name in REPORT_FILES:  # and its report, whose "Gate: GREEN" would outlive it
+        (tmp_path / name).write_text("Gate: GREEN")
     fault = "import os, rlsweep.check\nrlsweep.check.run_gate = lambda root: os._exit(137)"
     done = with_fault(fault, "rlsweep", f"hydra.sweep.dir={tmp_path}", "profile=cpu_bf16", "layout=smoke",
                       "model=tiny", "tp=1", "--multirun")  # fmt: skip
     assert done.returncode == 137, done.stdout + done.stderr
     assert (tmp_path / "0" / MANIFEST_FILE).is_file()  # its job ran
-    assert not (tmp_path / SWEEP_CHECKS_TABLE).exists() and not (tmp_path / SUMMARY_FILE).exists()
+    assert not [name for name in (SWEEP_CHECKS_TABLE, SUMMARY_FILE, *REPORT_FILES) if (tmp_path / name).exists()]
 
 
 def test_a_job_killed_between_its_tables_leaves_an_incomplete_run_that_resume_redoes(tmp_path, capsys):
@@ -522,9 +525,13 @@ def test_a_full_disk_is_one_line_and_leaves_no_table(tmp_path):
 
 def test_a_failed_rerun_invalidates_the_old_tables(tmp_path, capsys):
     assert run_rlsweep(tmp_path, "layout=smoke").returncode == ExitCode.GREEN
+    assert check(tmp_path, capsys)[0] == ExitCode.GREEN  # the gate's outputs in the run dir, and a report's
+    for name in REPORT_FILES:
+        (tmp_path / name).write_text("Gate: GREEN")
     done = run_rlsweep(tmp_path, "layout=smoke", "tp=0")
     assert_not_green(done, ExitCode.ERROR)
     assert tables_left(tmp_path) == []
+    assert not [name for name in (SWEEP_CHECKS_TABLE, SUMMARY_FILE, *REPORT_FILES) if (tmp_path / name).exists()]
     code, output = check(tmp_path, capsys)
     assert code == ExitCode.INCOMPLETE, output
 
