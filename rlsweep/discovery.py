@@ -148,7 +148,7 @@ def refuse_sweep_over_run(sweep_dir: Path) -> None:
             "there would mix its jobs' tables with that run's: choose another hydra.sweep.dir (a new one, or a "
             "sweep's to resume it), or move the run away"
         )
-    outer = enclosing_sweep(sweep_dir)
+    outer = enclosing_sweep(sweep_dir) or enclosing_sweep(sweep_dir.resolve())  # by name, or through a link
     if outer is not None:
         raise OutputDirError(
             f"{named_dir(sweep_dir, 'hydra.sweep.dir')} lies inside the sweep {str(outer)!r} "
@@ -167,7 +167,7 @@ def refuse_run_over_sweep(run_dir: Path, key: str | None = None) -> None:
             "sweep's tables: write the run elsewhere (hydra.run.dir=..., tables_dir=...), or run the sweep again with "
             "--multirun to redo its jobs"
         )
-    outer = enclosing_sweep(run_dir)
+    outer = enclosing_sweep(run_dir) or enclosing_sweep(run_dir.resolve())  # by name, or through a link
     if outer is not None:
         raise OutputDirError(
             f"{named_dir(run_dir, key)} lies inside the sweep {str(outer)!r} ({listed(sweep_marks(outer), outer)}); a "

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from rlsweep import analysis
 from rlsweep.check import main as check_main
-from rlsweep.discovery import JOBS_FILE, MULTIRUN_FILE, refuse_sweep_over_run, write_job_list
+from rlsweep.discovery import JOBS_FILE, MULTIRUN_FILE, refuse_run_over_sweep, refuse_sweep_over_run, write_job_list
 from rlsweep.errors import OutputDirError
 from rlsweep.exitcodes import ExitCode, combine
 from rlsweep.gate import (
@@ -605,6 +605,16 @@ def test_a_single_run_into_a_job_dir_of_a_sweep_is_refused_and_deletes_nothing(s
     assert snapshot(sweep) == before
     code, output = check(sweep, capsys)
     assert code == ExitCode.GREEN, output
+
+
+@pytest.mark.parametrize("into", ["the job's dir", "a dir in it"])
+def test_a_dir_inside_a_sweep_through_a_link_is_refused_as_by_its_name(sweep, tmp_path, into):
+    (tmp_path / "link").symlink_to(sweep / "0")
+    target = tmp_path / "link" / ("" if into == "the job's dir" else "deeper")
+    # (A sweep into the job's dir itself is refused first for the single run it holds.)
+    for refuse in (refuse_run_over_sweep, refuse_sweep_over_run)[: 1 if into == "the job's dir" else 2]:
+        with pytest.raises(OutputDirError, match=re.escape(f"lies inside the sweep {str(sweep)!r}")):
+            refuse(target)
 
 
 def test_a_second_writer_fails_at_once_naming_the_holder(tmp_path):
