@@ -247,7 +247,7 @@ def discover(root: Path) -> tuple[list[Path], list[str], str]:
 
     Runs inside a sweep dir are judged against that sweep's job list; runs outside any sweep stand alone. Under a
     dir inside a sweep (a job dir), its runs are judged as that sweep's jobs, and the sweep's verdict is not there
-    to give: its other jobs and its cross-run verdicts are not under ``root``, so that is INCOMPLETE.
+    to give (``part_of_a_sweep``): its other jobs and its cross-run verdicts are not under ``root``.
     """
     sweeps = sweep_dirs(root)
     candidates = candidate_dirs(root)
@@ -271,8 +271,7 @@ def discover(root: Path) -> tuple[list[Path], list[str], str]:
         found, missing, jobs = sweep_runs(outer, members, whole=False)
         complete += found
         scope = f"{', '.join(jobs) or 'no job'} of the sweep {outer} only"
-        incomplete += [*missing, f"{root}: {scope}; its other jobs and its cross-run verdicts are not under this dir, "
-                       f"so this is not the sweep's verdict: python -m rlsweep.check {outer} gives it"]  # fmt: skip
+        incomplete += missing
     for run_dir in sorted(candidates - claimed):
         state = verify_run(run_dir)
         if state.complete:
@@ -280,6 +279,14 @@ def discover(root: Path) -> tuple[list[Path], list[str], str]:
         else:
             incomplete.append(f"{run_dir}: {state.reason}")
     return complete, incomplete + orphan_tables(root, candidates) + linked_runs(root), scope
+
+
+def part_of_a_sweep(root: Path, scope: str) -> str:
+    """What a gate over part of a sweep (``discover``'s scope) lacks: the gate's INCOMPLETE line for it."""
+    return (
+        f"{root}: {scope}; its other jobs and its cross-run verdicts are not under this dir, so this is not the "
+        f"sweep's verdict: python -m rlsweep.check {enclosing_sweep(root)} gives it"
+    )
 
 
 def sweep_runs(sweep_dir: Path, members: Sequence[Path], whole: bool = True) -> tuple[list[Path], list[str], list[str]]:

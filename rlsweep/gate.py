@@ -24,7 +24,7 @@ import torch
 
 import kernels
 from rlsweep.contract import Contract, contract_from_mapping, op_class
-from rlsweep.discovery import discover, enclosing_sweep, lexical
+from rlsweep.discovery import discover, enclosing_sweep, lexical, part_of_a_sweep
 from rlsweep.errors import ContractError, OutputDirError, TablesNotFoundError
 from rlsweep.exitcodes import ExitCode, combine, one_line
 from rlsweep.judgments import apply_expected, compare_tokens, declaration_verdict
@@ -234,6 +234,8 @@ def run_gate(root: str | Path) -> GateResult:
     if not root.is_dir():
         raise TablesNotFoundError(f"{str(root)!r} is not a directory of rlsweep tables")
     complete, incomplete, scope = discover(root)
+    if scope:
+        incomplete.append(part_of_a_sweep(root, scope))
     if not complete and not incomplete:
         raise TablesNotFoundError(
             f"no rlsweep run ({MANIFEST_FILE}, {CHECKS_TABLE}/, {TOKENS_TABLE}/) in {str(root)!r}"
