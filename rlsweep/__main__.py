@@ -54,7 +54,8 @@ def app(cfg: DictConfig) -> None:
         run_at(cfg, location, resume=True, standalone=False)
     except Exception as err:
         overrides = " ".join(hydra_cfg.overrides.task)
-        raise JobFailed(f"job #{hydra_cfg.job.num} ({overrides}) failed: {one_line(err)}") from err
+        SESSION.job_error = f"job #{hydra_cfg.job.num} ({overrides}) failed: {one_line(err)}"  # its progress line
+        raise JobFailed(SESSION.job_error) from err
 
 
 def run_at(cfg: DictConfig, location: RunLocation, *, resume: bool, standalone: bool) -> ExitCode:

@@ -41,6 +41,7 @@ class Session:
     sweep_dir: Path | None = None
     # A multirun ran in this process (a job of it here, or its end under any launcher): it must have been recorded.
     multirun: bool = False
+    job_error: str | None = None  # the error of the sweep job that last failed in this process, in one line
 
 
 SESSION = Session()
@@ -184,11 +185,9 @@ class RlsweepCallback(Callback):
         if HydraConfig.get().mode.name != "MULTIRUN":
             return
         job = HydraConfig.get().job
-        if job_return.status == JobStatus.FAILED:
-            try:
-                job_return.return_value  # noqa: B018  (re-raises the job's exception)
-            except Exception as err:  # the job's error names the job and its overrides
-                print(f"[rlsweep sweep] FAILED: {one_line(err)}", flush=True)
+        if job_return.status == JobStatus.FAILED:  # its return_value would print Hydra's own error line once more
+            print(f"[rlsweep sweep] FAILED: {SESSION.job_error or f'job #{job.num} failed before its run'}", flush=True)
+            SESSION.job_error = None
         try:
             runs, red = red_so_far(Path(config.hydra.sweep.dir))
         except Exception as err:

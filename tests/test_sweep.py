@@ -109,6 +109,12 @@ def test_a_crashing_job_leaves_the_others_and_exits_1(tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr
     output = done.stdout + done.stderr
     assert "FAILED: job #1 (profile=cpu_bf16 layout=smoke tp=2) failed: injected kernel crash" in output
+    # Hydra's sweeper prints its own line for the failed job once; the progress line must not make it print again.
+    assert done.stderr.count("Error executing job") <= 1, done.stderr
+    assert (
+        done.stderr.splitlines()[-1] == "rlsweep: error: job #1 (profile=cpu_bf16 layout=smoke tp=2) failed: "
+        "injected kernel crash"
+    )
     assert set(pd.read_parquet(tmp_path / CHECKS_TABLE, columns=["tp"])["tp"]) == {1, 4}  # the others' tables
     assert not (tmp_path / CHECKS_TABLE / "job=1").exists()
     # Judged later from the tables on disk, the sweep is incomplete (3), naming the job that has no run.
