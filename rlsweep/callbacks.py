@@ -7,6 +7,7 @@ process through SystemExit(1) with one line. Progress lines are information only
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from rlsweep.config import job_list, run_spec, sweep_record
 from rlsweep.discovery import refuse_run_over_sweep, refuse_sweep_over_run, write_job_list
@@ -107,6 +108,23 @@ def red_so_far(sweep_dir: Path) -> tuple[int, int]:
     return complete, red
 
 
+def job_subdir(job_config: DictConfig, num: int) -> str | None:
+    """The run dir of job ``num`` inside the sweep dir (``hydra.sweep.subdir``, as the launcher numbers the job), or
+    None where it resolves only once the job runs; one outside the sweep dir is refused."""
+    with open_dict(job_config):
+        job_config.hydra.job.num = job_config.hydra.job.id = num
+    try:
+        subdir = str(job_config.hydra.sweep.subdir)
+    except Exception:  # an interpolation only the launcher can resolve: the gate still finds a shared or lost dir
+        return None
+    normal = os.path.normpath(subdir)
+    if os.path.isabs(subdir) or normal == "." or normal.split(os.sep)[0] == "..":
+        raise ConfigError(
+            f"hydra.sweep.subdir={subdir!r} is not a dir inside the sweep dir: the gate finds a job's run there only"
+        )
+    return normal
+
+
 def preflight_jobs(config: DictConfig, jobs: list[tuple[str, ...]]) -> None:
     """Compose every job of the sweep and check it as its run would (``rlsweep.run.preflight``), before any runs.
 
@@ -116,6 +134,7 @@ def preflight_jobs(config: DictConfig, jobs: list[tuple[str, ...]]) -> None:
     """
     loader = GlobalHydra.instance().config_loader()
     first: dict[str, int] = {}  # the resolved config's hash (a run's id) -> the first job that composes it
+    subdirs: dict[str, int] = {}  # a job's run dir in the sweep -> the first job whose it is
     for num, overrides in enumerate(jobs):
         try:
             job_config = loader.load_sweep_config(config, list(overrides))
@@ -123,6 +142,12 @@ def preflight_jobs(config: DictConfig, jobs: list[tuple[str, ...]]) -> None:
                 raise ConfigError(
                     f"its hydra.sweep.dir is {job_config.hydra.sweep.dir!r}, not the sweep's "
                     f"{config.hydra.sweep.dir!r}: hydra.sweep.dir may not depend on a swept value"
+                )
+            subdir = job_subdir(job_config, num)
+            if subdir is not None and subdirs.setdefault(subdir, num) != num:
+                raise ConfigError(
+                    f"its run dir, hydra.sweep.subdir={subdir!r}, is job #{subdirs[subdir]}'s too: each job needs a "
+                    "dir of its own (the default is its number)"
                 )
             spec = run_spec(job_config)  # its hydra node: its choices
             preflight(spec)

@@ -159,6 +159,24 @@ def test_jobs_that_spell_one_value_two_ways_stop_the_sweep_before_any_job_runs(v
             preflight_jobs(config, [("layout=smoke", value) for value in values])
 
 
+@pytest.mark.parametrize(
+    ("subdir", "message"),
+    [
+        ("x", "tp=2) cannot run: its run dir, hydra.sweep.subdir='x', is job #0's too"),
+        ("/elsewhere", "tp=1) cannot run: hydra.sweep.subdir='/elsewhere' is not a dir inside the sweep dir"),
+        ("../up", "tp=1) cannot run: hydra.sweep.subdir='../up' is not a dir inside the sweep dir"),
+    ],
+)
+def test_jobs_whose_run_dirs_are_shared_or_outside_the_sweep_stop_it_before_any_job_runs(subdir, message):
+    """Jobs sharing a dir replaced each other's runs, and a dir outside the sweep was never found: every job ran, and
+    the sweep ended INCOMPLETE."""
+    overrides = ["layout=smoke", f"hydra.sweep.subdir={subdir}"]
+    with initialize_config_module("conf", version_base="1.3"):
+        config = compose("config", overrides=overrides, return_hydra_config=True)
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            preflight_jobs(config, [(*overrides, f"tp={tp}") for tp in (1, 2)])
+
+
 @pytest.mark.parametrize("start", ["on_run_start", "on_multirun_start"])
 def test_hydra_job_chdir_is_refused_before_anything_is_written(tmp_path, capsys, start):
     """In a job that changed into its own dir a relative hydra.sweep.dir named a dir under that job's: the sweep's
