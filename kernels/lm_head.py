@@ -46,6 +46,7 @@ from kernels.validation import (
 )
 
 DEFAULT_VOCAB_TILE = 1024
+THROUGH_LM_HEAD = "differentiate through kernels.lm_head_logprob, "  # a gradient the Triton backends compute
 
 
 def matmul(
@@ -62,7 +63,9 @@ def matmul(
         hidden, weight = resolved(hidden), resolved(weight)
         if checks is None:  # every check is of an input: its verdict reaches the host while the kernel runs
             pending.send()
-        return call_node(impl.matmul, hidden, weight)
+        logits, provenance = call_node(impl.matmul, hidden, weight)
+        require_graph(impl, "kernels.matmul", {"hidden": hidden, "weight": weight}, logits, instead=THROUGH_LM_HEAD)
+        return logits, provenance
 
 
 def logprob(
@@ -89,6 +92,7 @@ def logprob(
         whole = ranks[0].whole  # a backend's one-launch TP = 1 path checks the targets and its outputs itself
         safe_targets = targets if whole is not None else check_target_range(targets, vocab, pending)
         result = finish(impl, safe_targets, sharding, ranks, tp_mode="emulated")
+        require_graph(impl, "kernels.logprob", {"logits": logits}, result.logp, result.lse, instead=THROUGH_LM_HEAD)
         # A non-finite input is named as one, as the up-front scan would, before an overflow is considered; logp
         # and lse are computed in their own dtype, whatever the logits' (float64 ones are reduced in float32).
         deferred = checks is not None
@@ -99,6 +103,21 @@ def logprob(
         else:
             require_finite(result, reduced, pending, first=name_input)
         return result
+
+
+def require_graph(
+    impl: LogprobBackend, call: str, inputs: dict[str, torch.Tensor], *outputs: torch.Tensor, instead: str = ""
+) -> None:
+    """KernelInputError where autograd is on and an input requires grad, but the backend's outputs carry no graph
+    (its kernels run outside autograd): their gradient would be missing without a word. ``instead``: a way to a
+    gradient the message offers first."""
+    wanting = [name for name, tensor in inputs.items() if tensor.requires_grad]
+    if torch.is_grad_enabled() and wanting and not any(output.requires_grad for output in outputs):
+        raise KernelInputError(
+            f"{call} computes no gradient with backend {impl.id!r}: its kernels run outside autograd, but "
+            f"{' and '.join(wanting)} {'require' if len(wanting) > 1 else 'requires'} grad; {instead}detach the "
+            f"input, or call under torch.no_grad()"
+        )
 
 
 def explain_logits(logits: torch.Tensor, lse: torch.Tensor, deferred: bool) -> None:
@@ -196,6 +215,9 @@ def sharded_lm_head_logprob(
         if wants_grad and tiled:
             logp, lse = grad.TiledLogprobBackward.apply(hidden, weight, result.logp, result.lse, targets, gradients)
             result = replace(result, logp=logp, lse=lse)
+        if wants_grad:  # a backend of its own may run kernels outside autograd and have no tiled backward
+            inputs = {"hidden": hidden, "weight": weight}
+            require_graph(impl, "kernels.lm_head_logprob", inputs, result.logp, result.lse)
         # In the caller's process, typed in both tp modes. The inputs are looked at again before an overflow is
         # blamed: a weight checked once may since have been written where its version counter does not see.
         name_input = functools.partial(check_finite_inputs, {"hidden": hidden, "weight": weight})

@@ -220,6 +220,45 @@ def test_distributed_ranks_refuse_a_backward_they_cannot_compute_instead_of_retu
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("backend", INVARIANT)
+def test_a_node_call_whose_kernels_autograd_cannot_see_refuses_an_input_that_requires_grad(backend, make_inputs):
+    """kernels.matmul and kernels.logprob on the Triton backends return outputs without a graph: given an input
+    that requires grad, they raise rather than let its gradient go missing (lm_head_logprob computes it)."""
+    if not triton_runs_on("cpu"):
+        pytest.skip("triton needs CUDA or TRITON_INTERPRET=1")
+    inp = make_inputs(3, HIDDEN, VOCAB, torch.float32, "cpu")
+    hidden, weight = inp.hidden.clone().requires_grad_(True), inp.weight.clone().requires_grad_(True)
+    refusal = rf"kernels.matmul computes no gradient with backend '{backend}'.*hidden and weight require grad"
+    with pytest.raises(kernels.KernelInputError, match=refusal):
+        kernels.matmul(hidden, inp.weight.clone().requires_grad_(True), backend=backend)
+    logits = (inp.hidden @ inp.weight.T).requires_grad_(True)
+    with pytest.raises(kernels.KernelInputError, match=r"kernels.logprob computes no gradient.*logits requires grad"):
+        kernels.logprob(logits, inp.targets, backend=backend, vocab_tile=TILE)
+    with torch.no_grad():  # no gradient asked for: served
+        kernels.matmul(hidden, weight, backend=backend)
+        kernels.logprob(logits, inp.targets, backend=backend, vocab_tile=TILE)
+    assert kernels.logprob(logits, inp.targets, backend="aten", vocab_tile=TILE).logp.requires_grad
+
+
+def test_a_backend_whose_outputs_carry_no_graph_refuses_an_input_that_requires_grad(make_inputs, isolated_registries):
+    """A backend of one's own without a tiled backward whose kernels run outside autograd: lm_head_logprob raises
+    rather than return logp and lse without the gradient the caller asked for."""
+    aten = kernels.BACKENDS["aten"]
+
+    class Untracked(type(aten)):
+        def matmul(self, hidden, weight):
+            logits, provenance = super().matmul(hidden.detach(), weight.detach())
+            return logits, provenance
+
+    kernels.register_backend("untracked", kernels=aten.declared_kernels, capability=aten.capability)(Untracked)
+    inp = make_inputs(3, HIDDEN, VOCAB, torch.float32, "cpu")
+    weight = inp.weight.clone().requires_grad_(True)
+    refusal = r"kernels.lm_head_logprob computes no gradient with backend 'untracked'.*weight requires grad"
+    with pytest.raises(kernels.KernelInputError, match=refusal):
+        kernels.lm_head_logprob(inp.hidden, weight, inp.targets, backend="untracked", tp=2, vocab_tile=TILE)
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("backend", ["triton_fused"])  # triton's gloo gradients: tests/test_gradients_run.py
 def test_distributed_gloo_gradients_are_the_emulated_ones_on_owner_and_non_owner_shards(backend, make_inputs):
     """Every target in rank 0's shard but one: rank 1 owns one row's target and only softmax terms for the rest,
