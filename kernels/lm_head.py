@@ -133,12 +133,13 @@ def explain_logits(logits: torch.Tensor, lse: torch.Tensor, deferred: bool) -> N
 
 @contextlib.contextmanager
 def call_checks(checks: ValueChecks | None) -> Iterator[ValueChecks]:
-    """The ``ValueChecks`` a call queues its value checks in: the caller's, left for the caller to read, or the
-    call's own, read (``raise_first``) when its block ends without an error."""
+    """The ``ValueChecks`` a call queues its value checks in: the caller's, left for the caller to read (withdrawn
+    if the call raises), or the call's own, read (``raise_first``) when its block ends without an error."""
     if checks is not None:
         if not isinstance(checks, ValueChecks):
             raise KernelInputError(f"checks must be a kernels.ValueChecks or None, got {type(checks).__name__}")
-        yield checks
+        with checks.withdrawn_if_raised():
+            yield checks
         return
     own = ValueChecks()
     yield own

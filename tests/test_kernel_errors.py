@@ -209,6 +209,26 @@ def test_caller_owned_checks_raise_when_the_caller_reads_them(backend):
     checks.raise_first()  # read once: the queue is empty again
 
 
+@pytest.mark.parametrize("backend", ["aten", "triton"])
+def test_a_call_that_raises_leaves_none_of_its_checks_in_the_callers(backend):
+    """A call given ``checks`` that raises up front after queuing a check returned nothing: its queued checks are
+    withdrawn, so the caller's read raises the earlier calls' errors only, never the failed call's as theirs."""
+    hidden, weight, targets = good_inputs(vocab=300)
+    checks = kernels.ValueChecks()
+    bad = targets.clone()
+    bad[2] = 300
+    kernels.lm_head_logprob(hidden, weight, bad, backend=backend, vocab_tile=64, checks=checks)
+    nan_hidden = hidden.clone()
+    nan_hidden[1, 0] = float("nan")  # its check is queued before the targets' shape is looked at
+    with pytest.raises(kernels.ShapeMismatchError, match=r"targets must be \[T\] with T=4"):
+        kernels.lm_head_logprob(nan_hidden, weight, targets[:3], backend=backend, vocab_tile=64, checks=checks)
+    with pytest.raises(kernels.TargetOutOfRangeError, match=r"target id 300 at row 2"):
+        checks.raise_first()
+    with pytest.raises(kernels.TPConfigError, match=r"vocab_tile=65536"):
+        kernels.lm_head_logprob(nan_hidden, weight, targets, backend="triton", vocab_tile=65536, checks=checks)
+    checks.raise_first()  # nothing of the failed calls is left to raise
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_sent_verdicts_and_later_ones_raise_in_the_order_they_were_queued(device):
     """``send()`` ships the verdicts queued so far; ``raise_first()`` reads them and the later ones together, and
