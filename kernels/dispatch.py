@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kernels.backend import OP_NODES, registered_backends
+from kernels.backend import BACKENDS, OP_NODES, registered_backends
 from kernels.capability import DispatchPolicy, ImplementationKind, LogprobBackendCapability
 from kernels.contract import TP_MODES, LogprobContract, LogprobContractError
 from kernels.errors import DtypeMismatchError, KernelInputError, ShapeMismatchError
@@ -67,6 +67,7 @@ class LogprobOp:
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> LogprobResult:
         """Run the bound backend in the bound tp mode; raise ProvenanceMismatchError if anything else ran."""
+        self._check_binding()
         self._check_inputs(hidden, weight)
         result = sharded_lm_head_logprob(
             hidden, weight, targets, backend=self.backend_id, sharding=self.contract.sharding, tp_mode=self.tp_mode
@@ -110,6 +111,19 @@ class LogprobOp:
             "contract_fingerprint": self.contract.cross_rank_fingerprint(),
             "contract": self.contract.to_dict(),
         }
+
+    def _check_binding(self) -> None:
+        """LogprobDispatchError unless the backend id still names a backend that honours the contract: one
+        unregistered, or replaced under a capability that no longer covers it, since the op was bound."""
+        if getattr(BACKENDS.get(self.backend_id), "capability", None) is self.capability:
+            return
+        registered = registered_backends()
+        reasons = _rejections(self.contract, registered, self.backend_id, self.policy, self.tp_mode)
+        if reasons:
+            raise LogprobDispatchError(
+                f"the op bound to backend {self.backend_id!r} cannot run: the registry changed since it was bound",
+                {self.backend_id: reasons},
+            )
 
     def _check_inputs(self, hidden: torch.Tensor, weight: torch.Tensor) -> None:
         contract = self.contract

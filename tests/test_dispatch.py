@@ -304,6 +304,24 @@ def test_the_op_runs_lm_head_logprob_and_checks_what_ran(tp):
     assert result.provenance.tp == tp
 
 
+def test_an_op_whose_backend_left_the_registry_or_its_contract_since_binding_refuses_to_run(fake):
+    """The op re-reads the registry before it runs: a backend unregistered since, or replaced under a capability
+    that no longer honours the op's contract, is refused rather than run under a claim nobody makes."""
+    fake(permissive())
+    op = kernels.get_logprob_op(contract(), "fake")  # cross_tp_bitwise, global_tile
+    hidden, weight, targets = inputs()
+    op(hidden, weight, targets)
+    register("fake", permissive(determinism_scopes={"fixed_topology"}, merge_orders={"rank_shard"}), replace=True)
+    with pytest.raises(kernels.LogprobDispatchError, match=r"registry changed since it was bound") as err:
+        op(hidden, weight, targets)
+    assert err.value.rejections["fake"][0].startswith("determinism scope 'cross_tp_bitwise' not guaranteed")
+    kernels.unregister_backend("fake")
+    with pytest.raises(kernels.LogprobDispatchError, match=r"fake: not registered"):
+        op(hidden, weight, targets)
+    register("fake", permissive())  # a new declaration that honours the contract: the op runs again
+    op(hidden, weight, targets)
+
+
 def test_the_op_refuses_inputs_outside_its_contract():
     op = kernels.get_logprob_op(contract(**FIXED), "aten")
     hidden, weight, targets = inputs()
