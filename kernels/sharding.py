@@ -14,13 +14,18 @@ def padded_vocab_size(vocab_size: int, vocab_tile: int, world_size: int) -> int:
     return -(-vocab_size // quantum) * quantum
 
 
+def is_integer(value: object) -> bool:
+    """An int and not a bool (``True`` is an int to Python, never a size or an index here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_tile_geometry(vocab_size: int, vocab_tile: int, world_size: int) -> None:
     """Raise TPConfigError unless vocab, tile and TP degree describe a servable split."""
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+    if not is_integer(world_size) or world_size < 1:
         raise TPConfigError(f"tp must be an integer >= 1, got {world_size!r}")
-    if not isinstance(vocab_tile, int) or vocab_tile < 16 or vocab_tile & (vocab_tile - 1):
+    if not is_integer(vocab_tile) or vocab_tile < 16 or vocab_tile & (vocab_tile - 1):
         raise TPConfigError(f"vocab_tile must be a power of two >= 16, got {vocab_tile!r}")
-    if not isinstance(vocab_size, int) or vocab_size < 1:
+    if not is_integer(vocab_size) or vocab_size < 1:
         raise TPConfigError(f"vocab size must be an integer >= 1, got {vocab_size!r}")
 
 
@@ -37,15 +42,21 @@ class ShardingSpec:
 
     def __post_init__(self) -> None:
         check_tile_geometry(self.vocab_size, self.vocab_tile, self.world_size)
-        if not 0 <= self.rank < self.world_size:
-            raise TPConfigError(f"rank must be in [0, {self.world_size}), got {self.rank!r}")
-        if self.padded_vocab_size < self.vocab_size or self.padded_vocab_size % self.vocab_tile:
+        if not is_integer(self.rank) or not 0 <= self.rank < self.world_size:
+            raise TPConfigError(f"rank must be an integer in [0, {self.world_size}), got {self.rank!r}")
+        padded = self.padded_vocab_size
+        if not is_integer(padded) or padded < self.vocab_size or padded % self.vocab_tile:
             raise TPConfigError(
-                f"padded_vocab_size must be a multiple of vocab_tile={self.vocab_tile} that is "
+                f"padded_vocab_size must be an integer multiple of vocab_tile={self.vocab_tile} that is "
                 f">= vocab_size={self.vocab_size}, got {self.padded_vocab_size!r}"
             )
-        if len(self.bounds) != self.world_size:
-            raise TPConfigError(f"bounds must hold one (lo, hi) per rank ({self.world_size}), got {self.bounds!r}")
+        pairs = isinstance(self.bounds, tuple) and all(
+            isinstance(pair, tuple) and len(pair) == 2 and all(map(is_integer, pair)) for pair in self.bounds
+        )
+        if not pairs or len(self.bounds) != self.world_size:
+            raise TPConfigError(
+                f"bounds must be a tuple of one (lo, hi) integer pair per rank ({self.world_size}), got {self.bounds!r}"
+            )
         expected_lo = 0
         for r, (lo, hi) in enumerate(self.bounds):
             if lo != expected_lo or hi <= lo or lo % self.vocab_tile or hi % self.vocab_tile:
@@ -88,8 +99,8 @@ class ShardingSpec:
 
     def owner_rank(self, token_id: int) -> int:
         """The rank whose shard holds ``token_id``."""
-        if not 0 <= token_id < self.vocab_size:
-            raise TPConfigError(f"token id {token_id!r} is outside [0, {self.vocab_size})")
+        if not is_integer(token_id) or not 0 <= token_id < self.vocab_size:
+            raise TPConfigError(f"token id {token_id!r} is not an integer in [0, {self.vocab_size})")
         for r, (lo, hi) in enumerate(self.bounds):
             if lo <= token_id < hi:
                 return r

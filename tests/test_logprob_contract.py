@@ -103,6 +103,29 @@ def test_the_contract_reuses_sharding_validation(build, value):
         build()
 
 
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda: kernels.ShardingSpec.even(VOCAB, TILE, 2, rank="1"), r"rank must be an integer in \[0, 2\), got '1'"),
+        (lambda: kernels.ShardingSpec.even(VOCAB, TILE, 2, rank=1.0), r"rank must be an integer .*got 1.0"),
+        (lambda: kernels.ShardingSpec.even(VOCAB, TILE, 2, rank=True), r"rank must be an integer .*got True"),
+        (lambda: kernels.ShardingSpec.even(True, TILE, 1), r"vocab size must be an integer >= 1, got True"),
+        (lambda: kernels.ShardingSpec(0, 1, VOCAB, "1024", TILE, ((0, 1024),)), r"padded_vocab_size .*got '1024'"),
+        (lambda: kernels.ShardingSpec(0, 1, VOCAB, 1024.0, TILE, ((0, 1024),)), r"padded_vocab_size .*got 1024.0"),
+        (lambda: kernels.ShardingSpec(0, 1, VOCAB, 1024, TILE, ((0,),)), r"bounds must be a tuple of one \(lo, hi\)"),
+        (lambda: kernels.ShardingSpec(0, 1, VOCAB, 1024, TILE, None), r"bounds must be .*got None"),
+        (lambda: kernels.ShardingSpec(0, 1, VOCAB, 1024, TILE, [(0, 1024)]), r"bounds must be .*got \[\(0, 1024\)\]"),
+        (lambda: kernels.ShardingSpec.even(VOCAB, TILE, 1).owner_rank("3"), r"token id '3' is not an integer"),
+        (lambda: kernels.ShardingSpec.even(VOCAB, TILE, 1).owner_rank(3.5), r"token id 3.5 is not an integer"),
+        (lambda: kernels.LogprobContract.even(VOCAB, TILE, 2, dtype="float32", platform="cpu", rank="1"), "'1'"),
+    ],
+)
+def test_sharding_fields_of_the_wrong_type_are_refused_by_name(build, match):
+    """Not a bare TypeError from a comparison, nor a float rank or a bool vocab taken as the number it equals."""
+    with pytest.raises(kernels.TPConfigError, match=match):
+        build()
+
+
 def test_strings_and_dtypes_normalize_to_the_same_contract():
     scope, order = kernels.DeterminismScope.FIXED_TOPOLOGY, kernels.MergeOrder.RANK_SHARD
     typed = contract(determinism_scope=scope, merge_order=order)
