@@ -148,7 +148,7 @@ def get_logprob_op(
     agreement: RankAgreement | None = None,
 ) -> LogprobOp:
     """The op of ``requested_backend`` (a backend id or ``"auto"``) bound to ``contract`` and ``tp_mode``."""
-    _check_tp_mode(tp_mode)
+    _check_request(contract, tp_mode)
     policy = DispatchPolicy.AUTO if requested_backend == DispatchPolicy.AUTO.value else DispatchPolicy.EXPLICIT
     tp = contract.sharding.world_size
     if policy is DispatchPolicy.AUTO and tp > 1 and agreement is None:
@@ -167,12 +167,14 @@ def get_logprob_op(
 
 def resolve_logprob_backend(contract: LogprobContract, requested_backend: str, *, tp_mode: str = "emulated") -> str:
     """The backend id ``get_logprob_op`` would bind on this rank, for the cross-rank preflight."""
-    _check_tp_mode(tp_mode)
+    _check_request(contract, tp_mode)
     policy = DispatchPolicy.AUTO if requested_backend == DispatchPolicy.AUTO.value else DispatchPolicy.EXPLICIT
     return _resolve(contract, requested_backend, policy, tp_mode)[0]
 
 
-def _check_tp_mode(tp_mode: str) -> None:
+def _check_request(contract: LogprobContract, tp_mode: str) -> None:
+    if not isinstance(contract, LogprobContract):
+        raise LogprobContractError(f"contract must be a LogprobContract; got {contract!r}")
     if tp_mode not in TP_MODES:
         raise LogprobContractError(f"tp_mode must be one of {', '.join(TP_MODES)}; got {tp_mode!r}")
 

@@ -268,6 +268,13 @@ def test_the_op_is_bound_to_its_tp_mode_and_records_it():
         kernels.get_logprob_op(contract(**FIXED), "aten", tp_mode="x")
 
 
+@pytest.mark.parametrize("given", [None, {"vocab_size": VOCAB}, "contract"])
+def test_a_contract_that_is_no_logprob_contract_is_refused_by_name(given):
+    for dispatch in (kernels.get_logprob_op, kernels.resolve_logprob_backend):
+        with pytest.raises(kernels.LogprobContractError, match=rf"contract must be a LogprobContract; got {given!r}"):
+            dispatch(given, "auto")
+
+
 def test_auto_is_refused_for_tp_above_one_without_a_rank_agreement():
     with pytest.raises(kernels.LogprobDispatchError, match="requested_backend='auto' is refused for tp=2"):
         kernels.get_logprob_op(contract(tp=2), "auto")
