@@ -423,3 +423,30 @@ def test_rank_groups_compute_on_the_cpu_or_cuda_only():
     with pytest.raises(kernels.TPConfigError, match=r"device_type must be one of \('cpu', 'cuda'\), got 'tpu'"):
         with kernels.distributed_ranks("aten", kernels.ShardingSpec.even(100, 16, 2), "tpu"):
             pass
+
+
+def test_bit_patterns_read_the_values_a_view_reads_as_and_refuse_what_has_none_by_name():
+    """A negated or conjugated view's bits are those of the values it reads as (a bare RuntimeError before); a
+    non-tensor, a meta or sparse tensor, a 16-byte or a quantized element have no bits to view and are refused."""
+    values = torch.tensor([1.5, -0.0, 2.0])
+    negated = torch.complex(torch.zeros(3), -values).conj().imag
+    assert negated.is_neg()
+    assert torch.equal(kernels.bit_pattern(negated), kernels.bit_pattern(values))
+    assert kernels.first_bit_difference(negated, values) is None
+    assert kernels.first_bit_difference(negated, torch.tensor([1.5, 0.0, 2.0])) == 1
+    conjugated = torch.tensor([1 + 2j]).conj()
+    assert torch.equal(kernels.bit_pattern(conjugated), kernels.bit_pattern(conjugated.resolve_conj()))
+    sparse = values.to_sparse()
+    refusals = [
+        (lambda: kernels.first_bit_difference([1.0], values), kernels.KernelInputError, r"lhs must be a torch.Tensor"),
+        (lambda: kernels.bit_pattern(values.to("meta")), kernels.KernelInputError, r"tensor is a tensor on the meta"),
+        (lambda: kernels.first_bit_difference(values, sparse), kernels.KernelInputError, r"rhs is a .*sparse"),
+        (lambda: kernels.bit_view(torch.zeros(2, dtype=torch.complex128)), kernels.DtypeMismatchError, r"16 bytes"),
+    ]
+    for call, error, match in refusals:
+        with pytest.raises(error, match=match):
+            call()
+    with pytest.warns(UserWarning, match="deprecated"):
+        quantized = torch.quantize_per_tensor(values, 1.0, 0, torch.quint8)
+    with pytest.raises(kernels.DtypeMismatchError, match=r"quantized tensor .*int_repr"):  # its view crashed torch
+        kernels.bit_pattern(quantized)
