@@ -106,7 +106,7 @@ def check_bound_inputs(
 ) -> None:
     """The inputs ``lm_head_logprob`` takes, checked as it checks them (the values at once), and a logits dtype the
     model knows: a bound of other inputs would be a bound of nothing the kernels compute."""
-    if logits_dtype not in SIGNIFICAND_BITS:
+    if not isinstance(logits_dtype, torch.dtype) or logits_dtype not in SIGNIFICAND_BITS:
         known = ", ".join(dtype_name(dtype) for dtype in SIGNIFICAND_BITS)
         raise DtypeMismatchError(f"logits_dtype must be a torch dtype of {known}; got {logits_dtype!r}")
     checks = ValueChecks()
@@ -116,9 +116,17 @@ def check_bound_inputs(
 
 
 def call_rows(rows: object, device: torch.device) -> torch.Tensor:
-    """One call's row indices of ``gradient_bound(calls=...)`` as int64: integers only, as a float or bool would be
-    truncated to other rows."""
-    indices = torch.as_tensor(rows, device=device)
+    """One call's row indices of ``gradient_bound(calls=...)`` as int64: a 1-D sequence of integers only, as a float
+    or bool would be truncated to other rows."""
+    try:
+        indices = torch.as_tensor(rows, device=device)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise DtypeMismatchError(f"calls must hold sequences of integer row indices; got a call {rows!r}") from err
+    if indices.dim() != 1:
+        raise ShapeMismatchError(
+            f"calls must be a sequence of calls, each a 1-D sequence of row indices; got a call of shape "
+            f"{tuple(indices.shape)}: {rows!r}"
+        )
     if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
         raise DtypeMismatchError(f"calls must hold integer row indices; got a call of dtype {indices.dtype}: {rows!r}")
     return indices.long()

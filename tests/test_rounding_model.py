@@ -41,8 +41,12 @@ def with_value(tensor: torch.Tensor, index, value) -> torch.Tensor:
         (lambda h, w, t, d: (with_value(h, (2, 3), math.nan), w, t, d), kernels.NonFiniteInputError, r"hidden"),
         (lambda h, w, t, d: (h, w, t, "bfloat16"), kernels.DtypeMismatchError, r"logits_dtype must be a torch dtype"),
         (lambda h, w, t, d: (h, w, t, torch.float64), kernels.DtypeMismatchError, r"bfloat16, float16, float32"),
+        (lambda h, w, t, d: (h, w, t, [torch.bfloat16]), kernels.DtypeMismatchError, r"logits_dtype .*; got \["),
     ],
-    ids=["target-V", "target-negative", "short-targets", "long-targets", "hidden-size", "nan", "dtype-name", "fp64"],
+    ids=[
+        *("target-V", "target-negative", "short-targets", "long-targets", "hidden-size", "nan", "dtype-name"),
+        *("fp64", "dtype-list"),
+    ],
 )
 @pytest.mark.parametrize("bound", ["rounding_bound", "gradient_bound"])
 def test_the_bounds_refuse_inputs_the_kernels_refuse(bound, mutate, error, match):
@@ -63,12 +67,16 @@ def test_the_bounds_refuse_inputs_the_kernels_refuse(bound, mutate, error, match
         ({"calls": [[True, True, False, False]]}, kernels.DtypeMismatchError, r"integer row indices; .* torch.bool"),
         ({"lse_bound": torch.ones(3)}, kernels.ShapeMismatchError, r"lse_bound must be \[T\] with T=4, got \(3,\)"),
         ({"g_logp": [1.0, 1.0, 1.0, 1.0]}, kernels.KernelInputError, r"g_logp must be a torch.Tensor, got list"),
+        ({"calls": torch.arange(4)}, kernels.ShapeMismatchError, r"each a 1-D sequence of row indices; .* shape \(\)"),
+        ({"calls": [[[0, 1], [2, 3]]]}, kernels.ShapeMismatchError, r"each a 1-D sequence .* shape \(2, 2\)"),
+        ({"calls": "0123"}, kernels.DtypeMismatchError, r"calls must hold sequences of integer row indices; got .*'0'"),
     ],
-    ids=["float-rows", "bool-rows", "short-lse-bound", "list-upstream"],
+    ids=["float-rows", "bool-rows", "short-lse-bound", "list-upstream", "one-tensor", "2-d-call", "string"],
 )
 def test_the_gradient_bound_refuses_arguments_it_would_misread(extra, error, match):
     """Float or bool row indices were truncated to other rows (a bound of another partition), a short lse bound and
-    a list of upstream gradients raised IndexError and AttributeError from inside."""
+    a list of upstream gradients raised IndexError and AttributeError from inside, and calls given as one tensor of
+    rows or a string a RuntimeError and a TypeError."""
     hidden, weight, targets = bound_inputs()
     arguments = {"g_logp": torch.ones(4), "g_lse": torch.ones(4), **extra}
     g_logp, g_lse = arguments.pop("g_logp"), arguments.pop("g_lse")
