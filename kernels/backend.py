@@ -129,7 +129,7 @@ def register_backend(
 
 def unregister_backend(backend_id: str) -> LogprobBackend:
     """Remove ``backend_id`` from the registry and return its instance."""
-    if backend_id not in BACKENDS:
+    if not isinstance(backend_id, str) or backend_id not in BACKENDS:
         raise LogprobContractError(f"backend {backend_id!r} is not registered")
     return BACKENDS.pop(backend_id)
 

@@ -198,6 +198,8 @@ def test_registration_refuses_unknown_platforms_and_tp_modes_and_non_capabilitie
     assert "fake" not in kernels.BACKENDS
     with pytest.raises(kernels.LogprobContractError, match="'nonesuch' is not registered"):
         kernels.unregister_backend("nonesuch")
+    with pytest.raises(kernels.LogprobContractError, match=r"backend \['aten'\] is not registered"):
+        kernels.unregister_backend(["aten"])  # an unhashable id: no bare TypeError
 
 
 def test_unregistering_returns_the_instance_and_removes_every_declaration():
