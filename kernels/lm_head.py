@@ -133,17 +133,17 @@ def explain_logits(logits: torch.Tensor, lse: torch.Tensor, deferred: bool) -> N
 
 @contextlib.contextmanager
 def call_checks(checks: ValueChecks | None) -> Iterator[ValueChecks]:
-    """The ``ValueChecks`` a call queues its value checks in: the caller's, left for the caller to read (withdrawn
-    if the call raises), or the call's own, read (``raise_first``) when its block ends without an error."""
-    if checks is not None:
-        if not isinstance(checks, ValueChecks):
-            raise KernelInputError(f"checks must be a kernels.ValueChecks or None, got {type(checks).__name__}")
-        with checks.withdrawn_if_raised():
-            yield checks
-        return
+    """The ``ValueChecks`` a call queues its value checks in, its own: read (``raise_first``) when its block ends
+    without an error, or, given the caller's ``checks``, queued there then, for the caller to read. A call that
+    raises returns nothing, so none of its checks reach the caller's, where they would read as another call's."""
+    if checks is not None and not isinstance(checks, ValueChecks):
+        raise KernelInputError(f"checks must be a kernels.ValueChecks or None, got {type(checks).__name__}")
     own = ValueChecks()
     yield own
-    own.raise_first()
+    if checks is None:
+        own.raise_first()
+    else:
+        checks.take(own)
 
 
 def lm_head_logprob(

@@ -7,11 +7,10 @@ and reads every verdict at once, after its kernels are queued and before it retu
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
@@ -58,16 +57,10 @@ class ValueChecks:
     def add_sum(self, total: torch.Tensor, explain: Callable[[], None]) -> None:
         self._pending.append((total, explain, True))
 
-    @contextlib.contextmanager
-    def withdrawn_if_raised(self) -> Iterator[None]:
-        """The checks queued inside the block are withdrawn when it raises: the call that queued them returned no
-        outputs, and a later ``raise_first`` would raise its errors as those of the calls that did."""
-        before = list(self._pending)
-        try:
-            yield
-        except BaseException:
-            self._pending = [entry for entry in self._pending if any(entry is kept for kept in before)]
-            raise
+    def take(self, other: ValueChecks) -> None:
+        """Queue ``other``'s pending checks after these, in their order, and empty ``other``."""
+        pending, other._pending, other._sent = other._pending, [], None
+        self._pending.extend(pending)
 
     def send(self) -> None:
         """Copy the verdicts queued so far to pinned host memory, on a side stream (``verdict_stream``) that waits

@@ -210,9 +210,10 @@ def test_caller_owned_checks_raise_when_the_caller_reads_them(backend):
 
 
 @pytest.mark.parametrize("backend", ["aten", "triton"])
-def test_a_call_that_raises_leaves_none_of_its_checks_in_the_callers(backend):
-    """A call given ``checks`` that raises up front after queuing a check returned nothing: its queued checks are
-    withdrawn, so the caller's read raises the earlier calls' errors only, never the failed call's as theirs."""
+def test_a_call_that_raises_leaves_none_of_its_checks_in_the_callers(backend, monkeypatch):
+    """A call given ``checks`` that raises up front after queuing a check returned nothing: none of its checks reach
+    the caller's, whose read raises the other calls' errors only (those queued meanwhile too), never the failed
+    call's as theirs."""
     hidden, weight, targets = good_inputs(vocab=300)
     checks = kernels.ValueChecks()
     bad = targets.clone()
@@ -227,6 +228,17 @@ def test_a_call_that_raises_leaves_none_of_its_checks_in_the_callers(backend):
     with pytest.raises(kernels.TPConfigError, match=r"vocab_tile=65536"):
         kernels.lm_head_logprob(nan_hidden, weight, targets, backend="triton", vocab_tile=65536, checks=checks)
     checks.raise_first()  # nothing of the failed calls is left to raise
+
+    def another_call_meanwhile(impl, sharding, device):  # as another thread sharing the checks would
+        monkeypatch.undo()
+        kernels.lm_head_logprob(hidden, weight, bad, backend="aten", vocab_tile=64, checks=checks)
+        raise kernels.TPConfigError("this call fails")
+
+    monkeypatch.setattr(kernels.lm_head, "check_vocab_geometry", another_call_meanwhile)
+    with pytest.raises(kernels.TPConfigError, match=r"this call fails"):
+        kernels.lm_head_logprob(nan_hidden, weight, targets, backend=backend, vocab_tile=64, checks=checks)
+    with pytest.raises(kernels.TargetOutOfRangeError, match=r"target id 300 at row 2"):  # the other call's, kept
+        checks.raise_first()
 
 
 @pytest.mark.parametrize("device", DEVICES)
