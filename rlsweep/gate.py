@@ -396,11 +396,11 @@ def tp_invariance(lhs: RunTables, earlier: Sequence[RunTables]) -> list[Verdict]
 
 
 def gradient_tp_invariance(lhs: RunTables, baseline: RunTables, cell: str) -> Verdict | None:
-    """grad=true runs: every active token's d hidden bits (by the tokens table's grad_bits) the same as the
-    baseline's; None where either run did not differentiate. A missing fingerprint counts as a difference."""
+    """grad=true runs: every token's d hidden bits (by the tokens table's grad_bits; a prompt token's too, as the run
+    judges it) the same as the baseline's; None where either run did not differentiate. A missing fingerprint counts
+    as a difference."""
     keys = ["sample_id", "position"]
-    sides = [run.tokens.loc[(run.tokens["cell"] == cell) & run.tokens["active"], [*keys, "grad_bits"]]
-             for run in (lhs, baseline)]  # fmt: skip
+    sides = [run.tokens.loc[run.tokens["cell"] == cell, [*keys, "grad_bits"]] for run in (lhs, baseline)]
     if any(side["grad_bits"].isna().all() for side in sides):
         return None
     joined = sides[0].merge(sides[1], on=keys, suffixes=("_lhs", "_rhs"), validate="one_to_one").sort_values(keys)
@@ -420,7 +420,7 @@ def gradient_tp_invariance(lhs: RunTables, baseline: RunTables, cell: str) -> Ve
         first_sample_id=None if first is None else int(first["sample_id"]),
         first_position=None if first is None else int(first["position"]),
         detail=f"{lhs.label} vs {baseline.label} ({baseline.run['run_id']}); bitwise d hidden by each token's "
-        f"grad_bits: {count} of {len(joined)} active tokens differ",
+        f"grad_bits: {count} of {len(joined)} tokens differ",
     )
 
 

@@ -236,11 +236,12 @@ def judge_gradients(
 ) -> list[Verdict]:
     """grad=true: every cell's d hidden against float64 within the model's bound and, bitwise, against the
     canonical cell's (docs/index.md, "Gradients"). Each cell's d weight is judged as the cell ends, by
-    ``weight_gradient_accuracy``."""
+    ``weight_gradient_accuracy``. Every token's d hidden, prompt tokens' too: their logp is the constant 0, so theirs
+    must be 0, and a backward that writes anything else there sends it into the model."""
     if not results:
         return []
     canonical = results[0]
-    rows = torch.nonzero(workload.active)[:, 0]
+    rows = torch.arange(workload.num_tokens)
     width = gold.reference_hidden.shape[1]
     keys = (workload.sample_ids[rows].repeat_interleave(width), workload.positions[rows].repeat_interleave(width))
 

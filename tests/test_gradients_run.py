@@ -72,6 +72,21 @@ def test_a_wrong_backward_is_red(tmp_path, monkeypatch):
 
 
 @pytest.mark.xdist_group("grad")
+def test_a_backward_that_writes_d_hidden_on_prompt_tokens_is_red(tmp_path, monkeypatch):
+    """A prompt token's logp is the constant 0, so its d hidden must be 0: one that is not is a wrong gradient."""
+    tiled = kernels.grad.tiled_gradients
+
+    def leaky(impl, hidden, weight, targets, *args, **kwargs):
+        d_hidden, d_weight = tiled(impl, hidden, weight, targets, *args, **kwargs)
+        return torch.where((targets == kernels.IGNORE_INDEX)[:, None], 0.5, d_hidden).to(d_hidden.dtype), d_weight
+
+    monkeypatch.setattr(kernels.grad, "tiled_gradients", leaky)
+    outcome = execute_run(compose_run("grad=true", *SMALL), tmp_path)
+    red = [v for v in outcome.verdicts if not v.passed]
+    assert red and {(v.judgment, v.tensor) for v in red} == {("gradient_accuracy", "grad_hidden")}
+
+
+@pytest.mark.xdist_group("grad")
 def test_a_wrong_d_weight_in_one_non_canonical_cell_is_red(tmp_path, monkeypatch):
     """d weight 10 % too large in one cell's calls only: that cell's own gradient_accuracy row must see it."""
     import rlsweep.run
@@ -148,6 +163,10 @@ def test_the_gate_compares_each_tokens_d_hidden_and_each_cells_d_weight_bits_acr
     assert not verdict.passed and verdict.value == 1.0
     assert (verdict.first_sample_id, verdict.first_position) == tuple(tokens.loc[flipped, ["sample_id", "position"]])
     assert load_run(other.directory).tokens.grad_bits.notna().all()
+    # A prompt token's d hidden (0, its logp being constant) is compared too.
+    tokens = other.tokens.copy()
+    tokens.loc[tokens.index[~tokens.active & (tokens.cell == "B1/full")][0], "grad_bits"] = "0" * 16
+    assert not gradient_tp_invariance(replace(other, tokens=tokens), baseline, "B1/full").passed
     # One cell's d weight digest differs at tp=2: the gate's tp rows are red for that cell's d weight, and only there.
     tokens = other.tokens.copy()
     tokens.loc[tokens.cell == cells[-1], "grad_weight_bits"] = "0" * 64
