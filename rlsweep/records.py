@@ -37,8 +37,10 @@ def tokens_table(
         else:
             grad = result.grad_hidden.double()
             columns["grad_norm"] += grad.norm(dim=1).tolist()
-            used = (grad - gradient.reference_hidden).abs() / gradient.hidden
-            columns["grad_used"] += used.nan_to_num(nan=0.0).amax(dim=1).tolist()
+            error = (grad - gradient.reference_hidden).abs()
+            # No error uses none of a bound, even of 0; a NaN element uses all of it and more (the verdict fails it).
+            used = torch.where(error == 0, 0.0, error.nan_to_num(nan=math.inf, posinf=math.inf) / gradient.hidden)
+            columns["grad_used"] += used.amax(dim=1).tolist()
             columns["grad_bits"] += [row_bits(row) for row in result.grad_hidden]
         columns["grad_weight_bits"] += [result.grad_weight_bits] * count
         columns["cell"] += [result.cell.name] * count

@@ -87,6 +87,24 @@ def test_a_backward_that_writes_d_hidden_on_prompt_tokens_is_red(tmp_path, monke
 
 
 @pytest.mark.xdist_group("grad")
+def test_a_nan_in_a_tokens_d_hidden_is_red_and_uses_all_of_its_bound_in_the_tokens_table(tmp_path, monkeypatch):
+    tiled = kernels.grad.tiled_gradients
+
+    def nan_in_first_active_row(impl, hidden, weight, targets, *args, **kwargs):
+        d_hidden, d_weight = tiled(impl, hidden, weight, targets, *args, **kwargs)
+        d_hidden = d_hidden.clone()
+        d_hidden[(targets != kernels.IGNORE_INDEX).nonzero()[0, 0], 3] = math.nan
+        return d_hidden, d_weight
+
+    monkeypatch.setattr(kernels.grad, "tiled_gradients", nan_in_first_active_row)
+    outcome = execute_run(compose_run("grad=true", *SMALL), tmp_path)
+    red = {(v.judgment, v.tensor, v.lhs_cell) for v in outcome.verdicts if not v.passed}
+    assert ("gradient_accuracy", "grad_hidden", "BN/packed") in red
+    tokens = pd.read_parquet(tmp_path / "tokens")
+    assert tokens.grad_norm.isna().any() and (tokens.grad_used[tokens.grad_norm.isna()] == math.inf).all()
+
+
+@pytest.mark.xdist_group("grad")
 def test_a_wrong_d_weight_in_one_non_canonical_cell_is_red(tmp_path, monkeypatch):
     """d weight 10 % too large in one cell's calls only: that cell's own gradient_accuracy row must see it."""
     import rlsweep.run
