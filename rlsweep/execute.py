@@ -50,6 +50,7 @@ class CellResult:
     grad_hidden: torch.Tensor | None = None
     grad_weight: torch.Tensor | None = None
     grad_weight_bits: str | None = None
+    stray_grad_rows: int = 0  # pad and filler rows of its calls whose d hidden is not 0 (their upstream is 0)
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def run_cell(
     tokens' own gradients reach d weight.
     """
     logps, lses, owners, provenance, hidden_grads = [], [], [], [], []
-    weight_grad = None
+    weight_grad, stray = None, 0
     for call in cell.calls:
         hidden, targets = call_inputs(call, workload, filler)
         if upstream is None:
@@ -104,6 +105,9 @@ def run_cell(
             g[logical] = upstream[call.logical[logical]]
             (result.logp * g.to(result.logp.device)).sum().backward()
             hidden_grads.append(hidden.grad.float().cpu())
+            # Pad and filler rows send no gradient back, so theirs must be 0 (NaN too is not): restore_logical_order
+            # drops them, and a backward that wrote into another sample's row of the batch would pass unseen.
+            stray += int((hidden_grads[-1][~logical] != 0).any(dim=1).sum())
             grad = leaf.grad.float()
             weight_grad = grad if weight_grad is None else weight_grad + grad  # calls in order
         logps.append(result.logp.detach().cpu())
@@ -121,6 +125,7 @@ def run_cell(
         grad_hidden=restore_logical_order(cell, hidden_grads, total) if upstream is not None else None,
         grad_weight=weight_grad,
         grad_weight_bits=None if weight_grad is None else bits_sha256(weight_grad),
+        stray_grad_rows=stray,
     )
 
 

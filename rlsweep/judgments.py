@@ -237,7 +237,8 @@ def judge_gradients(
     """grad=true: every cell's d hidden against float64 within the model's bound and, bitwise, against the
     canonical cell's (docs/index.md, "Gradients"). Each cell's d weight is judged as the cell ends, by
     ``weight_gradient_accuracy``. Every token's d hidden, prompt tokens' too: their logp is the constant 0, so theirs
-    must be 0, and a backward that writes anything else there sends it into the model."""
+    must be 0, and a backward that writes anything else there sends it into the model; so must the pad and filler
+    rows' of each call (``CellResult.stray_grad_rows``), which get an upstream of 0."""
     if not results:
         return []
     canonical = results[0]
@@ -251,11 +252,15 @@ def judge_gradients(
     verdicts = []
     for result in results:
         cells = (result.cell.name, result.cell.name)
-        verdicts.append(elements(compare_tokens(
+        verdict = elements(compare_tokens(
             Judgment.GRADIENT_ACCURACY, Tensor.GRAD_HIDDEN, standard.contract.roles_for(Judgment.GRADIENT_ACCURACY),
             cells, token_rows(result.grad_hidden.double()), token_rows(gold.reference_hidden),
             standard.row(Judgment.GRADIENT_ACCURACY, Tensor.GRAD_HIDDEN), keys, token_rows(gold.hidden),
-        )))  # fmt: skip
+        ))  # fmt: skip
+        if result.stray_grad_rows:  # rows of no token: their d hidden must be 0, as their upstream is
+            stray = f"{result.stray_grad_rows} pad or filler row(s) of its calls got a d hidden other than 0"
+            verdict = replace(verdict, passed=False, detail=f"{verdict.detail}; and {stray} from an upstream of 0")
+        verdicts.append(verdict)
     for result in results[1:]:
         verdicts.append(elements(compare_tokens(
             Judgment.GRADIENT_INVARIANCE, Tensor.GRAD_HIDDEN, standard.contract.roles_for(Judgment.GRADIENT_INVARIANCE),

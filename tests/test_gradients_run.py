@@ -87,6 +87,27 @@ def test_a_backward_that_writes_d_hidden_on_prompt_tokens_is_red(tmp_path, monke
 
 
 @pytest.mark.xdist_group("grad")
+def test_a_backward_that_writes_into_a_filler_row_of_the_batch_is_red(tmp_path, monkeypatch):
+    """A needle call's filler rows (another sample in the batch) get an upstream of 0: their d hidden must be 0."""
+    tiled = kernels.grad.tiled_gradients
+
+    def into_filler(impl, hidden, weight, targets, lse, g_logp, *args, **kwargs):
+        d_hidden, d_weight = tiled(impl, hidden, weight, targets, lse, g_logp, *args, **kwargs)
+        filler = (targets != kernels.IGNORE_INDEX) & (g_logp == 0)  # filler rows: a target, no upstream
+        return torch.where(filler[:, None], math.nan, d_hidden).to(d_hidden.dtype), d_weight
+
+    monkeypatch.setattr(kernels.grad, "tiled_gradients", into_filler)
+    outcome = execute_run(compose_run("grad=true", *SMALL), tmp_path)
+    red = [v for v in outcome.verdicts if not v.passed]
+    assert {(v.judgment, v.tensor, v.lhs_cell) for v in red} == {
+        ("gradient_accuracy", "grad_hidden", cell)
+        for cell in run_spec(compose_run(*SMALL)).layout.cell_names
+        if cell.startswith("needle")
+    }, [v.detail for v in red]
+    assert all("pad or filler row(s) of its calls got a d hidden other than 0" in v.detail for v in red)
+
+
+@pytest.mark.xdist_group("grad")
 def test_a_nan_in_a_tokens_d_hidden_is_red_and_uses_all_of_its_bound_in_the_tokens_table(tmp_path, monkeypatch):
     tiled = kernels.grad.tiled_gradients
 
