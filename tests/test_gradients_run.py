@@ -56,49 +56,43 @@ def test_without_grad_the_gradient_columns_are_empty_and_nothing_is_judged(tmp_p
     assert tokens.grad_bits.isna().all() and tokens.grad_weight_bits.isna().all()
 
 
+def red_with_d_hidden(tmp_path, monkeypatch, edit) -> list:
+    """The red verdicts of a grad=true run whose backward's d hidden goes through ``edit(d_hidden, targets, g_logp)``
+    (``g_logp``: the call's upstream, 0 on prompt, pad and filler rows)."""
+    tiled = kernels.grad.tiled_gradients
+
+    def edited(impl, hidden, weight, targets, lse, g_logp, *args, **kwargs):
+        d_hidden, d_weight = tiled(impl, hidden, weight, targets, lse, g_logp, *args, **kwargs)
+        return edit(d_hidden.clone(), targets, g_logp).to(d_hidden.dtype), d_weight
+
+    monkeypatch.setattr(kernels.grad, "tiled_gradients", edited)
+    return [v for v in execute_run(compose_run("grad=true", *SMALL), tmp_path).verdicts if not v.passed]
+
+
 @pytest.mark.xdist_group("grad")
 def test_a_wrong_backward_is_red(tmp_path, monkeypatch):
     """d hidden 10 % too large everywhere: gradient_accuracy must see it (the negative control of gradients)."""
-    tiled = kernels.grad.tiled_gradients
-
-    def skewed(*args, **kwargs):
-        d_hidden, d_weight = tiled(*args, **kwargs)
-        return d_hidden * 1.1, d_weight
-
-    monkeypatch.setattr(kernels.grad, "tiled_gradients", skewed)
-    outcome = execute_run(compose_run("grad=true", *SMALL), tmp_path)
-    red = [v for v in outcome.verdicts if not v.passed]
+    red = red_with_d_hidden(tmp_path, monkeypatch, lambda d_hidden, targets, g_logp: d_hidden * 1.1)
     assert red and {(v.judgment, v.tensor) for v in red} == {("gradient_accuracy", "grad_hidden")}
 
 
 @pytest.mark.xdist_group("grad")
 def test_a_backward_that_writes_d_hidden_on_prompt_tokens_is_red(tmp_path, monkeypatch):
     """A prompt token's logp is the constant 0, so its d hidden must be 0: one that is not is a wrong gradient."""
-    tiled = kernels.grad.tiled_gradients
-
-    def leaky(impl, hidden, weight, targets, *args, **kwargs):
-        d_hidden, d_weight = tiled(impl, hidden, weight, targets, *args, **kwargs)
-        return torch.where((targets == kernels.IGNORE_INDEX)[:, None], 0.5, d_hidden).to(d_hidden.dtype), d_weight
-
-    monkeypatch.setattr(kernels.grad, "tiled_gradients", leaky)
-    outcome = execute_run(compose_run("grad=true", *SMALL), tmp_path)
-    red = [v for v in outcome.verdicts if not v.passed]
+    red = red_with_d_hidden(tmp_path, monkeypatch, lambda d_hidden, targets, g_logp: torch.where(
+        (targets == kernels.IGNORE_INDEX)[:, None], 0.5, d_hidden))  # fmt: skip
     assert red and {(v.judgment, v.tensor) for v in red} == {("gradient_accuracy", "grad_hidden")}
 
 
 @pytest.mark.xdist_group("grad")
 def test_a_backward_that_writes_into_a_filler_row_of_the_batch_is_red(tmp_path, monkeypatch):
     """A needle call's filler rows (another sample in the batch) get an upstream of 0: their d hidden must be 0."""
-    tiled = kernels.grad.tiled_gradients
 
-    def into_filler(impl, hidden, weight, targets, lse, g_logp, *args, **kwargs):
-        d_hidden, d_weight = tiled(impl, hidden, weight, targets, lse, g_logp, *args, **kwargs)
+    def into_filler(d_hidden, targets, g_logp):
         filler = (targets != kernels.IGNORE_INDEX) & (g_logp == 0)  # filler rows: a target, no upstream
-        return torch.where(filler[:, None], math.nan, d_hidden).to(d_hidden.dtype), d_weight
+        return torch.where(filler[:, None], math.nan, d_hidden)
 
-    monkeypatch.setattr(kernels.grad, "tiled_gradients", into_filler)
-    outcome = execute_run(compose_run("grad=true", *SMALL), tmp_path)
-    red = [v for v in outcome.verdicts if not v.passed]
+    red = red_with_d_hidden(tmp_path, monkeypatch, into_filler)
     assert {(v.judgment, v.tensor, v.lhs_cell) for v in red} == {
         ("gradient_accuracy", "grad_hidden", cell)
         for cell in run_spec(compose_run(*SMALL)).layout.cell_names
@@ -109,17 +103,13 @@ def test_a_backward_that_writes_into_a_filler_row_of_the_batch_is_red(tmp_path, 
 
 @pytest.mark.xdist_group("grad")
 def test_a_nan_in_a_tokens_d_hidden_is_red_and_uses_all_of_its_bound_in_the_tokens_table(tmp_path, monkeypatch):
-    tiled = kernels.grad.tiled_gradients
-
-    def nan_in_first_active_row(impl, hidden, weight, targets, *args, **kwargs):
-        d_hidden, d_weight = tiled(impl, hidden, weight, targets, *args, **kwargs)
-        d_hidden = d_hidden.clone()
+    def nan_in_first_active_row(d_hidden, targets, g_logp):
         d_hidden[(targets != kernels.IGNORE_INDEX).nonzero()[0, 0], 3] = math.nan
-        return d_hidden, d_weight
+        return d_hidden
 
-    monkeypatch.setattr(kernels.grad, "tiled_gradients", nan_in_first_active_row)
-    outcome = execute_run(compose_run("grad=true", *SMALL), tmp_path)
-    red = {(v.judgment, v.tensor, v.lhs_cell) for v in outcome.verdicts if not v.passed}
+    red = {
+        (v.judgment, v.tensor, v.lhs_cell) for v in red_with_d_hidden(tmp_path, monkeypatch, nan_in_first_active_row)
+    }
     assert ("gradient_accuracy", "grad_hidden", "BN/packed") in red
     tokens = pd.read_parquet(tmp_path / "tokens")
     assert tokens.grad_norm.isna().any() and (tokens.grad_used[tokens.grad_norm.isna()] == math.inf).all()
