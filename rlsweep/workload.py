@@ -68,11 +68,12 @@ class Workload:
         return hashlib.sha256("".join(bits_sha256(part) for part in parts).encode()).hexdigest()
 
     def upstream(self) -> torch.Tensor:
-        """The gradient a loss sends back to each token's logp [T] fp32 (CPU): normal on active tokens, 0 on
-        prompt tokens, a function of (seed, sample_id, position) only, so every layout cell gets the same."""
+        """The gradient a loss sends back to each token's logp [T] fp32 (CPU): normal on every token, a function of
+        (seed, sample_id, position) only, so every layout cell gets the same. Prompt tokens get one too, as a loss
+        over a padded batch may send: their logp is the constant 0 (the kernels' target is IGNORE_INDEX), so a
+        backward must give them d hidden 0 whatever it is, and one that lets it through is red."""
         keys = token_keys(self.sample_ids, self.positions)[:, None]
-        draws = standard_normal(self.seed, "grad_logp", keys, torch.zeros(1, 1, dtype=torch.int64))[:, 0]
-        return torch.where(self.active, draws, 0.0).float()
+        return standard_normal(self.seed, "grad_logp", keys, torch.zeros(1, 1, dtype=torch.int64))[:, 0].float()
 
     def filler(self, count: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``count`` unrelated rows: hidden [count, H] from their own stream and uniform targets [count]."""

@@ -85,6 +85,18 @@ def test_a_backward_that_writes_d_hidden_on_prompt_tokens_is_red(tmp_path, monke
 
 
 @pytest.mark.xdist_group("grad")
+def test_a_backward_that_lets_a_prompt_tokens_upstream_through_is_red(tmp_path, monkeypatch):
+    """Prompt tokens get an upstream too: a backward that does not stop it at their IGNORE_INDEX target gives them a
+    d hidden other than 0."""
+    of = kernels.grad.Upstream.of.__func__
+    unmasked = classmethod(lambda cls, targets, g_logp, g_lse: of(cls, torch.zeros_like(targets), g_logp, g_lse))
+    monkeypatch.setattr(kernels.grad.Upstream, "of", unmasked)
+    outcome = execute_run(compose_run("grad=true", *SMALL), tmp_path)
+    red = {(v.judgment, v.tensor) for v in outcome.verdicts if not v.passed}
+    assert ("gradient_accuracy", "grad_hidden") in red
+
+
+@pytest.mark.xdist_group("grad")
 def test_a_backward_that_writes_into_a_filler_row_of_the_batch_is_red(tmp_path, monkeypatch):
     """A needle call's filler rows (another sample in the batch) get an upstream of 0: their d hidden must be 0."""
 
@@ -160,10 +172,10 @@ def test_grad_with_distributed_gloo_ranks_gives_the_emulated_gradients(tmp_path)
         assert a.notna().any() and a.equals(b), column
 
 
-def test_upstream_gradient_is_per_token_and_zero_on_prompt_tokens():
+def test_upstream_gradient_is_per_token_and_reaches_prompt_tokens_too():
     workload = build_inputs(run_spec(compose_run("layout=smoke")))[1]
     g = workload.upstream()
-    assert g.dtype == torch.float32 and bool((g[~workload.active] == 0).all()) and bool((g[workload.active] != 0).all())
+    assert g.dtype == torch.float32 and bool((g != 0).all()) and bool((~workload.active).any())
     assert torch.equal(g, workload.upstream())  # counter-based: the same every time
 
 
