@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
@@ -96,6 +98,12 @@ def tables_left(directory: Path) -> list[str]:
     if not directory.exists():
         return []
     return sorted(p.name for p in directory.iterdir() if any(name in p.name for name in (*RUN_TABLES, MANIFEST_FILE)))
+
+
+def needs_launcher(name: str) -> pytest.MarkDecorator:
+    """Skip where Hydra's ``name`` launcher plugin is missing (the test extras install it; a GPU image may not)."""
+    missing = importlib.util.find_spec(f"hydra_plugins.hydra_{name}_launcher") is None
+    return pytest.mark.skipif(missing, reason=f"hydra-{name}-launcher is not installed (pip install -e '.[test]')")
 
 
 def multirun(sweep_dir: Path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from rlsweep_fixtures import multirun, run_rlsweep, table_file, tables_left, with_fault
+from rlsweep_fixtures import multirun, needs_launcher, run_rlsweep, table_file, tables_left, with_fault
 from safetensors.torch import save_file
 
 from rlsweep import analysis
@@ -375,7 +375,9 @@ def test_a_sweep_terminated_by_sigterm_ends_with_one_line_and_exit_1(tmp_path):
 JOBLIB = ("hydra/launcher=joblib", "hydra.launcher.n_jobs=2")  # two workers: the jobs run in other processes
 
 
-@pytest.mark.parametrize("launcher", [(), JOBLIB], ids=["basic", "joblib"])
+@pytest.mark.parametrize(
+    "launcher", [(), pytest.param(JOBLIB, marks=needs_launcher("joblib"))], ids=["basic", "joblib"]
+)
 def test_a_sweep_whose_start_callback_never_recorded_it_is_exit_1_not_green(tmp_path, launcher):
     # Hydra turns a callback's exception into a warning and runs the jobs; with no sweep recorded, no gate ran and
     # the sweep ended 0. Under joblib the jobs run in other processes: the launching one must know all the same.

@@ -14,6 +14,9 @@ from rlsweep.config import run_spec
 from rlsweep.errors import ConfigError
 from rlsweep.layouts import plan_cells
 
+# In-process runs of triton_cpu_bf16: on a CUDA machine they run in the interpreter's child process
+# (tests/test_interpreter_subprocess.py), as every test that runs Triton on CPU tensors.
+pytestmark = pytest.mark.interpreter
 SMALL = ("profile=triton_cpu_bf16", "layout=smoke", "model.vocab_size=1000")  # few vocab tiles: a quick backward
 
 

@@ -4,6 +4,7 @@ before any work is done, values (queued beside the kernels) before the call retu
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -225,8 +226,9 @@ def test_a_call_that_raises_leaves_none_of_its_checks_in_the_callers(backend, mo
         kernels.lm_head_logprob(nan_hidden, weight, targets[:3], backend=backend, vocab_tile=64, checks=checks)
     with pytest.raises(kernels.TargetOutOfRangeError, match=r"target id 300 at row 2"):
         checks.raise_first()
-    with pytest.raises(kernels.TPConfigError, match=r"vocab_tile=65536"):
-        kernels.lm_head_logprob(nan_hidden, weight, targets, backend="triton", vocab_tile=65536, checks=checks)
+    if backend == "triton":  # a tile the Triton kernels refuse (on CPU tensors only in the interpreter)
+        with pytest.raises(kernels.TPConfigError, match=r"vocab_tile=65536"):
+            kernels.lm_head_logprob(nan_hidden, weight, targets, backend=backend, vocab_tile=65536, checks=checks)
     checks.raise_first()  # nothing of the failed calls is left to raise
 
     def another_call_meanwhile(impl, sharding, device):  # as another thread sharing the checks would
@@ -458,7 +460,8 @@ def test_bit_patterns_read_the_values_a_view_reads_as_and_refuse_what_has_none_b
     for call, error, match in refusals:
         with pytest.raises(error, match=match):
             call()
-    with pytest.warns(UserWarning, match="deprecated"):
+    with warnings.catch_warnings():  # newer torch warns that quantization is deprecated
+        warnings.simplefilter("ignore")
         quantized = torch.quantize_per_tensor(values, 1.0, 0, torch.quint8)
     with pytest.raises(kernels.DtypeMismatchError, match=r"quantized tensor .*int_repr"):  # its view crashed torch
         kernels.bit_pattern(quantized)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
-from rlsweep_fixtures import compose_run, multirun, table_file, with_fault
+from rlsweep_fixtures import compose_run, multirun, needs_launcher, table_file, with_fault
 
 from rlsweep import environment
 from rlsweep.callbacks import RlsweepCallback, preflight_jobs
@@ -303,7 +303,11 @@ def test_resume_content_covers_the_environment_that_computes(monkeypatch, change
 
 
 @pytest.mark.parametrize(
-    "launcher", [("hydra/launcher=joblib", "hydra.launcher.n_jobs=2"), ("hydra/launcher=submitit_local",)]
+    "launcher",
+    [
+        pytest.param(("hydra/launcher=joblib", "hydra.launcher.n_jobs=2"), marks=needs_launcher("joblib")),
+        pytest.param(("hydra/launcher=submitit_local",), marks=needs_launcher("submitit")),
+    ],
 )
 def test_launchers_run_the_sweep_and_the_gate(tmp_path, launcher):
     done = multirun(tmp_path, "profile=cpu_bf16", *SMALL, *launcher)
