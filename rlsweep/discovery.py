@@ -148,7 +148,7 @@ def refuse_sweep_over_run(sweep_dir: Path) -> None:
             "there would mix its jobs' tables with that run's: choose another hydra.sweep.dir (a new one, or a "
             "sweep's to resume it), or move the run away"
         )
-    outer = enclosing_sweep(sweep_dir) or enclosing_sweep(sweep_dir.resolve())  # by name, or through a link
+    outer = sweep_around(sweep_dir)
     if outer is not None:
         raise OutputDirError(
             f"{named_dir(sweep_dir, 'hydra.sweep.dir')} lies inside the sweep {str(outer)!r} "
@@ -167,7 +167,7 @@ def refuse_run_over_sweep(run_dir: Path, key: str | None = None) -> None:
             "sweep's tables: write the run elsewhere (hydra.run.dir=..., tables_dir=...), or run the sweep again with "
             "--multirun to redo its jobs"
         )
-    outer = enclosing_sweep(run_dir) or enclosing_sweep(run_dir.resolve())  # by name, or through a link
+    outer = sweep_around(run_dir)
     if outer is not None:
         raise OutputDirError(
             f"{named_dir(run_dir, key)} lies inside the sweep {str(outer)!r} ({listed(sweep_marks(outer), outer)}); a "
@@ -233,6 +233,11 @@ def sweep_dirs(root: Path) -> list[Path]:
     found = {path.parent for name in (MULTIRUN_FILE, JOBS_FILE) for path in root.rglob(name)}
     found |= {path.parent.parent for table in RUN_TABLES for path in root.rglob(f"{table}/*") if is_partition(path)}
     return sorted(found, key=lambda path: len(path.parts), reverse=True)
+
+
+def sweep_around(directory: Path) -> Path | None:
+    """The sweep a dir about to be written lies inside, by its name or through a link (``enclosing_sweep``)."""
+    return enclosing_sweep(directory) or enclosing_sweep(directory.resolve())
 
 
 def enclosing_sweep(root: Path) -> Path | None:

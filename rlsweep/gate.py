@@ -85,7 +85,7 @@ class RunTables:
     tokens: pd.DataFrame
     checks: pd.DataFrame
     inputs: dict[str, str]  # sha256 of each input file the run read, by input name (its manifest's ``inputs``)
-    manifest_sha256: str = ""  # of its manifest as read (``manifest_digest``): a rerun's differs, run_id or not
+    manifest_sha256: str = ""  # of its manifest as read (as ``manifest_digest``): a rerun's differs, run_id or not
 
     @property
     def label(self) -> str:
@@ -152,7 +152,7 @@ def load_run(directory: Path) -> RunTables:
     )
     run = checks.iloc[0][RUN_COLUMNS.names].to_dict()
     inputs = dict(state.manifest["inputs"])
-    return RunTables(directory, run, config, contract, tokens, checks, inputs, manifest_digest(directory))
+    return RunTables(directory, run, config, contract, tokens, checks, inputs, canonical_sha256(state.manifest))
 
 
 def run_metadata(path: Path, config_sha256: str, judged_by: set[str]) -> tuple[dict[str, Any], Contract]:
