@@ -8,6 +8,7 @@ Public API; everything else in this package is an implementation detail.
 from kernels import triton_backend, aten, reference, control  # noqa: F401
 
 # isort: on
+from kernels.arithmetic import ArithmeticBound, bias_allowance, reduction_bound
 from kernels.backend import (
     BACKENDS,
     OP_NODES,
@@ -15,6 +16,7 @@ from kernels.backend import (
     ShardPartials,
     register_backend,
     registered_backends,
+    stores_logits,
     unregister_backend,
 )
 from kernels.bitwise import bit_pattern, bit_view, first_bit_difference
@@ -54,7 +56,7 @@ from kernels.errors import (
 )
 from kernels.grad import has_tiled_backward
 from kernels.launches import KernelLaunch, launch_torch, launch_triton
-from kernels.lm_head import DEFAULT_VOCAB_TILE, lm_head_logprob, logprob, matmul
+from kernels.lm_head import DEFAULT_VOCAB_TILE, NONFINITE_OUTPUTS, lm_head_logprob, logprob, matmul
 from kernels.provenance import (
     NodeProvenance,
     Provenance,
@@ -64,7 +66,7 @@ from kernels.provenance import (
     require_provenance,
 )
 from kernels.ranks import LogprobResult
-from kernels.rounding import GradientBound, RoundingBound, gradient_bound, rounding_bound
+from kernels.rounding import GradientBound, RoundingBound, gradient_bound, logit_errors, rounding_bound
 from kernels.sharding import ShardingSpec, padded_vocab_size
 from kernels.validation import EXECUTION_DTYPES, IGNORE_INDEX, ValueChecks, dtype_name
 
@@ -74,9 +76,11 @@ __all__ = [
     "EXECUTION_DTYPES",
     "EXECUTION_DTYPE_NAMES",
     "IGNORE_INDEX",
+    "NONFINITE_OUTPUTS",
     "OP_NODES",
     "PLATFORMS",
     "TP_MODES",
+    "ArithmeticBound",
     "BackendUnavailableError",
     "DeterminismScope",
     "DispatchPolicy",
@@ -113,6 +117,7 @@ __all__ = [
     "TPConfigError",
     "TargetOutOfRangeError",
     "ValueChecks",
+    "bias_allowance",
     "bit_pattern",
     "bit_view",
     "distributed_ranks",
@@ -124,15 +129,18 @@ __all__ = [
     "launch_torch",
     "launch_triton",
     "lm_head_logprob",
+    "logit_errors",
     "logprob",
     "matmul",
     "observe",
     "padded_vocab_size",
     "provenance_mismatches",
+    "reduction_bound",
     "register_backend",
     "registered_backends",
     "require_provenance",
     "resolve_logprob_backend",
     "rounding_bound",
+    "stores_logits",
     "unregister_backend",
 ]

@@ -167,6 +167,12 @@ def get_backend(backend_id: str) -> LogprobBackend:
     return BACKENDS[backend_id]
 
 
+def stores_logits(backend_id: str) -> bool:
+    """Whether ``backend_id``'s matmul node stores the logits its reduction reads (a fused backend keeps them in
+    registers, so a caller can judge its reduction only against float64 products: ``kernels.reduction_bound``)."""
+    return not hasattr(get_backend(backend_id), "fused_partials")
+
+
 def declared_kernels(backend_id: str, node: str) -> frozenset[str]:
     """The kernels ``backend_id`` declares for ``node``; nothing for an id with no registered declaration."""
     return getattr(BACKENDS.get(backend_id), "declared_kernels", {}).get(node, frozenset())

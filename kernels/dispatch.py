@@ -65,13 +65,23 @@ class LogprobOp:
         """Every op node must run on the bound backend."""
         return dict.fromkeys(OP_NODES, self.backend_id)
 
-    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> LogprobResult:
-        """Run the bound backend in the bound tp mode; raise ProvenanceMismatchError if anything else ran."""
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        keep_logits: bool = False,
+        nonfinite: str = "raise",
+    ) -> LogprobResult:
+        """Run the bound backend in the bound tp mode; raise ProvenanceMismatchError if anything else ran.
+        ``keep_logits`` and ``nonfinite`` as for ``kernels.lm_head.sharded_lm_head_logprob``."""
         self._check_binding()
         self._check_inputs(hidden, weight)
         result = sharded_lm_head_logprob(
-            hidden, weight, targets, backend=self.backend_id, sharding=self.contract.sharding, tp_mode=self.tp_mode
-        )
+            hidden, weight, targets, backend=self.backend_id, sharding=self.contract.sharding, tp_mode=self.tp_mode,
+            keep_logits=keep_logits, nonfinite=nonfinite,
+        )  # fmt: skip
         self.require_observed(result)
         return result
 

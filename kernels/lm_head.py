@@ -46,6 +46,9 @@ from kernels.validation import (
 )
 
 DEFAULT_VOCAB_TILE = 1024
+# What a call does with a NaN or +-Inf logp or lse of finite inputs: raise NonFiniteOutputError (the default), or
+# return it, so a harness can judge the overflow as a verdict of the backend instead of stopping at the first one.
+NONFINITE_OUTPUTS = ("raise", "return")
 THROUGH_LM_HEAD = "differentiate through kernels.lm_head_logprob, "  # a gradient the Triton backends compute
 
 
@@ -156,16 +159,20 @@ def lm_head_logprob(
     tp_mode: str = "emulated",
     vocab_tile: int = DEFAULT_VOCAB_TILE,
     checks: ValueChecks | None = None,
+    keep_logits: bool = False,
+    nonfinite: str = "raise",
 ) -> LogprobResult:
     """hidden[T, H], weight[V, H], targets[T] -> logp and lse of each row's target, vocab split over ``tp`` ranks.
-    ``checks`` as for ``matmul`` (``tp_mode="distributed"`` still reads the input checks before its ranks start)."""
+    ``checks`` as for ``matmul`` (``tp_mode="distributed"`` still reads the input checks before its ranks start);
+    ``keep_logits`` and ``nonfinite`` as for ``sharded_lm_head_logprob``."""
     check_tensor("weight", weight)  # its vocab sizes the split
     if weight.dim() != 2:
         raise ShapeMismatchError(f"weight must be [V, H], got shape {tuple(weight.shape)}")
     sharding = ShardingSpec.even(weight.shape[0], vocab_tile, tp)  # raises TPConfigError for tp or tile
     return sharded_lm_head_logprob(
-        hidden, weight, targets, backend=backend, sharding=sharding, tp_mode=tp_mode, checks=checks
-    )
+        hidden, weight, targets, backend=backend, sharding=sharding, tp_mode=tp_mode, checks=checks,
+        keep_logits=keep_logits, nonfinite=nonfinite,
+    )  # fmt: skip
 
 
 def sharded_lm_head_logprob(
@@ -177,11 +184,19 @@ def sharded_lm_head_logprob(
     sharding: ShardingSpec,
     tp_mode: str,
     checks: ValueChecks | None = None,
+    keep_logits: bool = False,
+    nonfinite: str = "raise",
 ) -> LogprobResult:
-    """``lm_head_logprob`` with the vocab split given as a ``ShardingSpec`` of weight's vocab (any rank's view)."""
+    """``lm_head_logprob`` with the vocab split given as a ``ShardingSpec`` of weight's vocab (any rank's view).
+
+    ``keep_logits``: the result carries the logits the reduction read (``LogprobResult.logits``) where the backend
+    stored them and the ranks run in this process (``tp_mode="emulated"``); else None. ``nonfinite``: one of
+    ``NONFINITE_OUTPUTS``; inputs are checked as always, so "return" hands back only the kernel's own overflow."""
     impl = get_backend(backend)
     if tp_mode not in TP_MODES:
         raise KernelInputError(f"tp_mode must be one of {TP_MODES}, got {tp_mode!r}")
+    if nonfinite not in NONFINITE_OUTPUTS:
+        raise KernelInputError(f"nonfinite must be one of {NONFINITE_OUTPUTS}, got {nonfinite!r}")
     if not isinstance(sharding, ShardingSpec):
         raise KernelInputError(f"sharding must be a ShardingSpec, got {sharding!r}")
     with call_checks(checks) as pending:
@@ -209,10 +224,10 @@ def sharded_lm_head_logprob(
             gradients = functools.partial(distributed_gradients, backend, sharding=sharding)
         elif wants_grad and tiled:
             with torch.no_grad():
-                result = emulated(impl, hidden, weight, targets, sharding)
+                result = emulated(impl, hidden, weight, targets, sharding, keep_logits=keep_logits)
             gradients = functools.partial(grad.tiled_gradients, impl, sharding=sharding)
         else:
-            result = emulated(impl, hidden, weight, targets, sharding)
+            result = emulated(impl, hidden, weight, targets, sharding, keep_logits=keep_logits)
         if wants_grad and tiled:
             logp, lse = grad.TiledLogprobBackward.apply(hidden, weight, result.logp, result.lse, targets, gradients)
             result = replace(result, logp=logp, lse=lse)
@@ -222,7 +237,8 @@ def sharded_lm_head_logprob(
         # In the caller's process, typed in both tp modes. The inputs are looked at again before an overflow is
         # blamed: a weight checked once may since have been written where its version counter does not see.
         name_input = functools.partial(check_finite_inputs, {"hidden": hidden, "weight": weight})
-        require_finite(result, hidden.dtype, pending, first=name_input)
+        if nonfinite == "raise":
+            require_finite(result, hidden.dtype, pending, first=name_input)
         return result
 
 
@@ -233,8 +249,14 @@ def check_finite_inputs(tensors: dict[str, torch.Tensor]) -> None:
 
 
 def emulated(
-    impl: LogprobBackend, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, sharding: ShardingSpec
+    impl: LogprobBackend,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    sharding: ShardingSpec,
+    *,
+    keep_logits: bool = False,
 ) -> LogprobResult:
     """Every rank's forward in this process, one after the other, then the merge."""
     ranks = [rank_forward(impl, hidden, weight, targets, sharding.for_rank(r)) for r in range(sharding.world_size)]
-    return finish(impl, targets, sharding, ranks, tp_mode="emulated")
+    return finish(impl, targets, sharding, ranks, tp_mode="emulated", keep_logits=keep_logits)

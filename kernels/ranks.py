@@ -43,6 +43,7 @@ class LogprobResult:
     active: torch.Tensor
     owner_rank: torch.Tensor
     provenance: Provenance
+    logits: torch.Tensor | None = None  # keep_logits: the [T, V] logits the reduction read; None if never stored
 
 
 @dataclass(frozen=True)
@@ -195,15 +196,22 @@ def finish(
     ranks: list[RankOutput],
     *,
     tp_mode: str,
+    keep_logits: bool = False,
 ) -> LogprobResult:
-    """Merge every rank's partials (identical on each rank) into the replicated result."""
+    """Merge every rank's partials (identical on each rank) into the replicated result.
+
+    ``keep_logits``: the result also carries the logits the ranks' matmul nodes stored, their real shards side by
+    side ([T, V], in vocab order), so a caller can judge the reduction on the very values it read; a fused backend
+    stores none, and then neither does the result."""
+    stored = [out.logits for out in ranks]
+    logits = torch.cat(stored, dim=1) if keep_logits and all(x is not None for x in stored) else None
     whole = ranks[0].whole
     if whole is not None:  # the backend reduced, merged and finished the rows itself
         nodes = {"logprob": ranks[0].logprob, "tp_merge": ranks[0].tp_merge}
         if ranks[0].matmul is not None:
             nodes = {"matmul": ranks[0].matmul, **nodes}
         provenance = Provenance(nodes=nodes, tp=1, tp_mode=tp_mode)
-        return LogprobResult(whole.logp, whole.lse, whole.active, whole.owner_rank, provenance)
+        return LogprobResult(whole.logp, whole.lse, whole.active, whole.owner_rank, provenance, logits)
     active = targets != IGNORE_INDEX
     if ranks[0].partials is None:
         logits = ranks[0].logits
@@ -224,4 +232,4 @@ def finish(
     if ranks[0].matmul is not None:
         nodes = {"matmul": across_ranks([out.matmul for out in ranks]), **nodes}
     provenance = Provenance(nodes=nodes, tp=sharding.world_size, tp_mode=tp_mode)
-    return LogprobResult(logp=logp, lse=lse, active=active, owner_rank=owner, provenance=provenance)
+    return LogprobResult(logp=logp, lse=lse, active=active, owner_rank=owner, provenance=provenance, logits=logits)

@@ -91,6 +91,8 @@ class WorkloadConfig:
     seq_lens: list[int] = field(default_factory=list)
     prompt_lens: list[int] = field(default_factory=list)
     hidden_scale: float = 1.0  # synthetic: std of the hidden states, in [1/64, 64] (spec.py; 8: peaked)
+    sample_scales: list[float] = field(default_factory=list)  # synthetic: per sample, times hidden_scale; []: 1.0
+    probe_samples: list[int] = field(default_factory=list)  # synthetic: samples whose targets are boundary columns
     path: str | None = None  # replay: hidden_states, target_ids, seq_lens, optional active_mask
 
 
@@ -122,6 +124,7 @@ class ContractConfig:
     comparison_roles: dict[str, Any] = field(default_factory=dict)
     judgments: dict[str, Any] = field(default_factory=dict)
     chain_logprob_aggregates: dict[str, Any] = field(default_factory=dict)
+    error_model: dict[str, Any] | None = None  # v3 on: the kernel_* judgments' failure probability
 
 
 @dataclass

@@ -22,7 +22,7 @@ from rlsweep import CONF_DIR
 from rlsweep.errors import ContractError, RlsweepError
 from rlsweep.manifest import canonical_sha256
 from rlsweep.mismatch import ALIAS_OF, BY_NAME, METRIC_NAMES, ActiveTokens
-from rlsweep.verdicts import FORWARD_TENSORS, GRADIENT_TENSORS, Judgment
+from rlsweep.verdicts import FORWARD_TENSORS, GRADIENT_TENSORS, Judgment, Tensor
 
 CONTRACT_JUDGMENTS = (
     Judgment.FORWARD_ACCURACY,
@@ -31,7 +31,11 @@ CONTRACT_JUDGMENTS = (
     Judgment.BACKEND_PARITY,
     Judgment.GRADIENT_ACCURACY,
     Judgment.GRADIENT_INVARIANCE,
+    Judgment.KERNEL_ACCURACY,
+    Judgment.KERNEL_BIAS,
 )
+# A contract from v3 on judges the kernel's own arithmetic; earlier ones lack these rows and judge none of them.
+KERNEL_JUDGMENTS = (Judgment.KERNEL_ACCURACY, Judgment.KERNEL_BIAS)
 # Judgments whose every row must be bitwise; tp_invariance's cross_tp_bitwise scope is checked too.
 BITWISE_JUDGMENTS = (Judgment.FORWARD_INVARIANCE, Judgment.GRADIENT_INVARIANCE)
 DETERMINISM_SCOPES = tuple(scope.value for scope in kernels.DeterminismScope)
@@ -41,15 +45,20 @@ ROUNDING_MODEL = "rounding_model"  # |lhs - rhs| <= the per-token bound of kerne
 CONTRACT_DTYPES = kernels.EXECUTION_DTYPE_NAMES
 # Every contract judges these chain metrics (v1's three); `judged_metrics` may add any of rlsweep.mismatch.METRICS.
 REQUIRED_CHAIN_METRICS = ("max_abs_dlogp", "approx_kl0", "clipfrac0")
-CONTRACT_TENSORS = FORWARD_TENSORS + GRADIENT_TENSORS
+CONTRACT_TENSORS = (*FORWARD_TENSORS, *GRADIENT_TENSORS, Tensor.LOGITS)
 PIN_KEY = "expected_sha256"
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")  # a sha256 as hashlib's hexdigest writes it
-DEFAULT_CONTRACT = "v2"
+DEFAULT_CONTRACT = "v3"
 # Op classes key rows beside the dtype: where the logits are rounded decides most of the error budget.
 OP_CLASSES = tuple(f"logits_{dtype}" for dtype in CONTRACT_DTYPES)
 ANY_OP_CLASS = "*"  # a row written directly under its dtype (v1) serves every op class
 # Every key the loader knows, per section: anything else is a typo that would silently weaken a row.
-TOP_KEYS = ("version", PIN_KEY, "dtype_policy", "comparison_roles", "judgments", "chain_logprob_aggregates")
+TOP_KEYS = ("version", PIN_KEY, "dtype_policy", "comparison_roles", "judgments", "chain_logprob_aggregates",
+            "error_model")  # fmt: skip
+OPTIONAL_TOP_KEYS = (PIN_KEY, "error_model")
+ERROR_MODEL_KEYS = ("failure_probability",)
+# The most a probabilistic verdict may fail a correct kernel: above it, a red row would be a coin toss.
+MAX_FAILURE_PROBABILITY = 1e-6
 DTYPE_POLICY_KEYS = ("execution_dtype", "accumulation_dtype", "reference_dtype", "tf32", "fp8")
 # What every run does, whatever its contract says: a policy that said otherwise would record one it did not follow.
 IMPLEMENTED_POLICY = {
@@ -161,6 +170,12 @@ class Contract:
     clip_interval: tuple[float, float]
     chain: Mapping[str, ChainThresholds]
     chain_metrics: tuple[str, ...]  # the judged ones, by their own names (rlsweep.mismatch.METRICS)
+    failure_probability: float | None = None  # error_model: a probabilistic verdict's chance to fail a correct kernel
+
+    @property
+    def judges_kernel_arithmetic(self) -> bool:
+        """Whether this contract has the kernel_* judgments (v3 on)."""
+        return any(key[0] in KERNEL_JUDGMENTS for key in self.rows)
 
     def row_key(self, judgment: str, tensor: str, dtype: str, op: str, scope: str | None = None) -> RowKey:
         """The key of the row serving ``op`` (its own row, else one written for every op class)."""
@@ -284,9 +299,11 @@ def contract_from_mapping(
     version; None for a document already checked so (one recorded in a run's tables).
     """
     document = dict(document)
+    if "error_model" in document and document["error_model"] is None:  # the schema's default: a contract without it
+        del document["error_model"]
     reject_unknown(document, TOP_KEYS, source)
     for key in TOP_KEYS:
-        if key not in document and key != PIN_KEY:
+        if key not in document and key not in OPTIONAL_TOP_KEYS:
             raise ContractError(f"{source}: missing top-level key {key!r}")
     if file_name is not None:
         check_version(document["version"], file_name, source)
@@ -296,6 +313,7 @@ def contract_from_mapping(
     clip, judged, chain = parse_chain(document["chain_logprob_aggregates"], source)
     pin = document.get(PIN_KEY)
     check_pin(pin, f"{source}: {PIN_KEY}")
+    failure_probability = parse_error_model(document, rows, source)
     return Contract(
         version=str(document["version"]),
         sha256=contract_sha256(document),
@@ -306,7 +324,32 @@ def contract_from_mapping(
         clip_interval=clip,
         chain=MappingProxyType(chain),
         chain_metrics=judged,
+        failure_probability=failure_probability,
     )
+
+
+def parse_error_model(document: Mapping[str, Any], rows: Mapping[RowKey, Tolerance], source: str) -> float | None:
+    """``error_model.failure_probability``: required with the kernel_* judgments (their bounds hold but with that
+    probability), refused without them (it would judge nothing)."""
+    kernel = sorted({key[0] for key in rows if key[0] in KERNEL_JUDGMENTS})
+    if "error_model" not in document:
+        if kernel:
+            raise ContractError(f"{source}: judgments {kernel} need error_model.failure_probability")
+        return None
+    where = f"{source}: error_model"
+    section = document["error_model"]
+    reject_unknown(section, ERROR_MODEL_KEYS, where)
+    if not kernel:
+        raise ContractError(f"{where} applies to the judgments {list(KERNEL_JUDGMENTS)}, which this contract lacks")
+    value = finite_number(section.get("failure_probability"), f"{where}.failure_probability")
+    if not 0 < value <= MAX_FAILURE_PROBABILITY:
+        raise ContractError(
+            f"{where}.failure_probability={value!r}: valid is 0 < p <= {MAX_FAILURE_PROBABILITY:g} (the chance that "
+            "a correct kernel's verdict is red)"
+        )
+    if set(kernel) != set(KERNEL_JUDGMENTS):
+        raise ContractError(f"{source}: judgments {list(KERNEL_JUDGMENTS)} come together; got only {kernel}")
+    return value
 
 
 def check_pin(pin: Any, where: str, error: type[RlsweepError] = ContractError) -> None:
@@ -388,7 +431,7 @@ def parse_judgments(section: Mapping[str, Any], source: str) -> dict[RowKey, Tol
                 rows.update(parse_rows(f"{judgment}.{scope}", judgment, scope, scoped, bitwise, source))
         else:
             rows.update(parse_rows(judgment, judgment, "", block, judgment in BITWISE_JUDGMENTS, source))
-    missing = set(CONTRACT_JUDGMENTS) - set(section)
+    missing = set(CONTRACT_JUDGMENTS) - set(section) - set(KERNEL_JUDGMENTS)
     if missing:
         raise ContractError(f"{source}: judgments missing {sorted(missing)}")
     return rows

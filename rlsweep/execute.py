@@ -9,6 +9,7 @@ from functools import partial
 import torch
 
 import kernels
+from rlsweep.arithmetic import ArithmeticCollector, KernelArithmetic
 from rlsweep.errors import ConfigError
 from rlsweep.layouts import NONE, Call, Cell, largest_calls, restore_logical_order
 from rlsweep.model import GENERATION_ROWS
@@ -32,8 +33,9 @@ RUNTIME_BYTES = 256 << 20  # code and buffers loaded on first use (measured on C
 MIB, GIB = 1 << 20, 1 << 30
 
 
-# hidden[T, H], weight[V, H], targets[T] -> LogprobResult: a dispatched op, or the reference call.
-LogprobCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], kernels.LogprobResult]
+# hidden[T, H], weight[V, H], targets[T] (and keep_logits=, nonfinite=) -> LogprobResult: a dispatched op, or the
+# reference call.
+LogprobCall = Callable[..., kernels.LogprobResult]
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class CellResult:
     grad_weight: torch.Tensor | None = None
     grad_weight_bits: str | None = None
     stray_grad_rows: int = 0  # pad and filler rows of its calls whose d hidden is not 0 (their upstream is 0)
+    arithmetic: KernelArithmetic | None = None  # the kernel_* comparands, where the contract judges them
 
 
 @dataclass(frozen=True)
@@ -84,22 +87,26 @@ def run_cell(
     filler: Filler,
     compute: LogprobCall,
     upstream: torch.Tensor | None = None,
+    arithmetic: ArithmeticCollector | None = None,
 ) -> CellResult:
-    """Every call of the cell, then logical order; kernels' typed errors propagate unchanged.
+    """Every call of the cell, then logical order; kernels' typed errors propagate unchanged, but a NaN or Inf that
+    a backend computed from finite inputs is returned, for the verdicts to judge (``nonfinite="return"``).
 
     ``upstream`` [T]: differentiate sum(upstream * logp) too; pad and filler rows get 0, so only the logical
-    tokens' own gradients reach d weight.
+    tokens' own gradients reach d weight. ``arithmetic``: gathers each call's kernel_* comparands from the logits
+    the call stored (``keep_logits``).
     """
+    options = {"keep_logits": arithmetic is not None, "nonfinite": "return"}
     logps, lses, owners, provenance, hidden_grads = [], [], [], [], []
     weight_grad, stray = None, 0
     for call in cell.calls:
         hidden, targets = call_inputs(call, workload, filler)
         if upstream is None:
-            result = compute(hidden, weight, targets)
+            result = compute(hidden, weight, targets, **options)
         else:
             hidden = hidden.detach().requires_grad_(True)
             leaf = weight.detach().requires_grad_(True)
-            result = compute(hidden, leaf, targets)
+            result = compute(hidden, leaf, targets, **options)
             logical = call.logical != NONE
             g = torch.zeros(call.rows, dtype=torch.float32)
             g[logical] = upstream[call.logical[logical]]
@@ -110,6 +117,8 @@ def run_cell(
             stray += int((hidden_grads[-1][~logical] != 0).any(dim=1).sum())
             grad = leaf.grad.float()
             weight_grad = grad if weight_grad is None else weight_grad + grad  # calls in order
+        if arithmetic is not None:
+            arithmetic.add(call, hidden.detach(), targets, result.logits)
         logps.append(result.logp.detach().cpu())
         lses.append(result.lse.detach().cpu())
         owners.append(result.owner_rank.cpu())
@@ -126,6 +135,7 @@ def run_cell(
         grad_weight=weight_grad,
         grad_weight_bits=None if weight_grad is None else bits_sha256(weight_grad),
         stray_grad_rows=stray,
+        arithmetic=None if arithmetic is None else arithmetic.finish(),
     )
 
 

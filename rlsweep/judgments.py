@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 import kernels
+from rlsweep.arithmetic import kernel_verdicts, planned_kernel_rows
 from rlsweep.contract import ROUNDING_MODEL, Contract, Tolerance
 from rlsweep.execute import CellResult
 from rlsweep.mismatch import METRICS, ActiveTokens
@@ -171,7 +172,8 @@ def chain_aggregates(
     cells = (canonical.cell.name, reference.cell.name)
     thresholds = contract.chain_thresholds(standard.dtype)
     source = "rounding-model limits" if thresholds.mode == ROUNDING_MODEL else "contract figures"
-    rows = torch.nonzero(workload.active)[:, 0]
+    # Sampled targets only: the metrics' premise is tokens drawn from the rhs distribution, which a probe is not.
+    rows = torch.nonzero(workload.sampled)[:, 0]
     dlogp = canonical.logp[rows].double() - reference.logp[rows].double()
     tokens = ActiveTokens.of(workload.sample_ids[rows], reference.logp[rows], contract.clip_interval)
     failure = ""
@@ -199,10 +201,16 @@ def smoke(canonical: CellResult, workload: Workload, roles: tuple[str, str]) -> 
     """Finite outputs, logp <= 0 on active tokens, and something to judge (one row per SMOKE_ROWS entry)."""
     rows = torch.nonzero(workload.active)[:, 0]
     logp, lse = canonical.logp[rows], canonical.lse[rows]
+    broken = ~torch.isfinite(logp) | ~torch.isfinite(lse)
     nonfinite = int((~torch.isfinite(logp)).sum() + (~torch.isfinite(lse)).sum())
+    where = ""
+    if nonfinite:  # finite inputs (checked before any kernel), so the backend computed it: name the first token
+        first = rows[int(broken.nonzero()[0, 0])]
+        key = f"sample_id={int(workload.sample_ids[first])}, position={int(workload.positions[first])}"
+        where = f"; first at ({key}): logp {float(canonical.logp[first])}, lse {float(canonical.lse[first])}"
     max_logp = float(logp.max()) if rows.numel() else math.nan
     outcomes = {  # metric -> (value, threshold, passed, detail)
-        "nonfinite_values": (float(nonfinite), 0.0, nonfinite == 0, "NaN/Inf among active logp and lse"),
+        "nonfinite_values": (float(nonfinite), 0.0, nonfinite == 0, f"NaN/Inf among active logp and lse{where}"),
         "max_logp": (max_logp, 0.0, rows.numel() > 0 and max_logp <= 0.0, "a log-probability is never positive"),
         "active_tokens": (float(rows.numel()), 1.0, rows.numel() >= 1, "the active set must not be empty"),
     }
@@ -226,6 +234,15 @@ def judge_cells(
         verdicts += forward_accuracy(result, reference, workload, standard)
     for result in results[1:]:
         verdicts += forward_invariance(result, canonical, workload, standard)
+    contract = standard.contract
+    keys = (workload.sample_ids, workload.positions)
+    for result in results:
+        if result.arithmetic is not None:
+            candidate = {tensor: getattr(result, tensor) for tensor in FORWARD_TENSORS}
+            verdicts += kernel_verdicts(
+                candidate, result.arithmetic, result.cell.name, workload.active, keys,
+                contract.roles_for(Judgment.KERNEL_ACCURACY), contract.failure_probability,
+            )  # fmt: skip
     verdicts += chain_aggregates(canonical, reference, workload, standard)
     verdicts += smoke(canonical, workload, (standard.contract.roles_for(Judgment.FORWARD_ACCURACY)[0], "invariants"))
     return verdicts
@@ -420,8 +437,11 @@ def unmatched_declarations(
     return rows
 
 
-def planned_verdicts(cells: Sequence[str], contract: Contract, *, grad: bool = False) -> list[Verdict]:
-    """The kernel verdicts a run over ``cells`` (canonical first) judges, as red placeholders without values."""
+def planned_verdicts(
+    cells: Sequence[str], contract: Contract, *, grad: bool = False, logits: bool = False
+) -> list[Verdict]:
+    """The kernel verdicts a run over ``cells`` (canonical first) judges, as red placeholders without values.
+    ``logits``: the run judges the matmul's stored logits (``rlsweep.arithmetic.judges_logits``)."""
     canonical = cells[0]
 
     def row(judgment: str, tensor: str, roles: str, cell: str, rhs: str, metric: str = NOT_RUN) -> Verdict:
@@ -451,6 +471,8 @@ def planned_verdicts(cells: Sequence[str], contract: Contract, *, grad: bool = F
         for name in metric.names
     ]
     planned += [row(Judgment.SMOKE, t, Judgment.FORWARD_ACCURACY, canonical, NO_CELL, m) for t, m in SMOKE_ROWS]
+    if contract.judges_kernel_arithmetic:
+        planned += [row(j, t, j, cell, cell) for j, t, cell in planned_kernel_rows(cells, logits)]
     if grad:
         accuracy = Judgment.GRADIENT_ACCURACY
         planned += [row(accuracy, tensor, accuracy, cell, cell) for cell in cells for tensor in GRADIENT_TENSORS]

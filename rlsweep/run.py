@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 import kernels
+from rlsweep.arithmetic import ArithmeticCollector, ComparandCache, judges_logits
 from rlsweep.environment import available_memory, environment
 from rlsweep.errors import ConfigError
 from rlsweep.execute import CellResult, Filler, check_fits, peak_bytes, run_cell, run_reference
@@ -166,7 +167,7 @@ def execute(spec: RunSpec, location: RunLocation, identity: RunIdentity, *, stan
         judged += computed.weight_verdicts
     verdicts += judged
     if computed.stopped:
-        planned = planned_verdicts(spec.layout.cell_names, contract, grad=spec.grad)
+        planned = planned_verdicts(spec.layout.cell_names, contract, grad=spec.grad, logits=judges_logits(spec))
         verdicts += not_run_verdicts(judged, planned, "provenance stopped the kernels")
     verdicts = apply_expected(verdicts, spec.expectations)
     verdicts += declaration_rows(verdicts, spec.declarations, profile.name, spec.tp, standalone=standalone)
@@ -247,11 +248,23 @@ def compute(
         if spec.tp_mode == "distributed"
         else contextlib.nullcontext()
     )
+    collect = partial(
+        ArithmeticCollector, head.weight, workload.num_tokens, tokens=int(workload.active.sum()),
+        vocab_tile=spec.sharding.vocab_tile, logits_dtype=EXECUTION_DTYPES[profile.logits_name],
+        failure_probability=spec.contract.failure_probability, shared=ComparandCache(workload.num_tokens),
+    )  # fmt: skip
     with ranks:
         for number, cell in enumerate(cells, start=1):
             log.info("cell %d/%d %s: %d kernel calls", number, len(cells), cell.name, len(cell.calls))
+            # The matmul is judged on the canonical cell: another cell's logits differ only where forward_invariance
+            # is red. The reduction is judged in every cell, on the logits each call stored.
+            arithmetic = (
+                collect(judge_logits=number == 1 and judges_logits(spec))
+                if spec.contract.judges_kernel_arithmetic
+                else None
+            )
             try:
-                result = run_cell(cell, workload, head.weight, filler, op, computed.upstream)
+                result = run_cell(cell, workload, head.weight, filler, op, computed.upstream, arithmetic)
             except kernels.BackendUnavailableError as err:
                 computed.stopped = str(err)
                 verdicts.append(provenance_verdict(cell.name, required, [], profile.backend_family, error=str(err)))

@@ -252,6 +252,8 @@ class WorkloadSpec:
     seq_lens: tuple[int, ...] = ()
     prompt_lens: tuple[int, ...] = ()
     hidden_scale: float = 1.0  # synthetic: std of the hidden states
+    sample_scales: tuple[float, ...] = ()  # synthetic: per sample, a multiple of hidden_scale; () = all 1.0
+    probe_samples: tuple[int, ...] = ()  # synthetic: samples whose active tokens target boundary columns
     path: str | None = None  # replay: hidden_states, target_ids, seq_lens, optional active_mask
 
     def __post_init__(self) -> None:
@@ -266,6 +268,8 @@ class WorkloadSpec:
                     ("hidden_scale", self.hidden_scale, 1.0),
                     ("seq_lens", list(self.seq_lens), []),
                     ("prompt_lens", list(self.prompt_lens), []),
+                    ("sample_scales", list(self.sample_scales), []),
+                    ("probe_samples", list(self.probe_samples), []),
                 ],
                 f"applies to synthetic workloads only; workload {self.name!r} replays {self.path!r}, whose file gives "
                 "them",
@@ -279,6 +283,8 @@ class WorkloadSpec:
         )
         self.check_lengths()
         check_scale("workload.hidden_scale", self.hidden_scale, MIN_HIDDEN_SCALE, MAX_HIDDEN_SCALE)
+        self.check_sample_scales()
+        self.check_probe_samples()
 
     def check_lengths(self) -> None:
         seq, prompt = list(self.seq_lens), list(self.prompt_lens)
@@ -298,6 +304,42 @@ class WorkloadSpec:
                     f"workload {self.name!r}: sample {sample} has seq_len={n}, prompt_len={p}; need 1 <= seq_len "
                     f"<= {MAX_SEQ_LEN} and 0 <= prompt_len < seq_len (at least one active completion token)"
                 )
+
+    @property
+    def scales(self) -> tuple[float, ...]:
+        """Each sample's hidden-state std: hidden_scale times its sample_scales entry (1.0 where none is given)."""
+        return tuple(self.hidden_scale * s for s in self.sample_scales or [1.0] * len(self.seq_lens))
+
+    def check_sample_scales(self) -> None:
+        scales, samples = list(self.sample_scales), len(self.seq_lens)
+        if scales and len(scales) != samples:
+            raise ConfigError(
+                f"workload.sample_scales={scales} has {len(scales)} entries for the {samples} samples of workload "
+                f"{self.name!r}; give one per sample, or [] for 1.0 each"
+            )
+        for sample, scale in enumerate(scales):
+            # the product is the std the sample's hidden states get, so it meets hidden_scale's bound
+            key = f"workload.hidden_scale * workload.sample_scales[{sample}] ({self.hidden_scale!r} * {scale!r})"
+            check_scale(key, self.scales[sample], MIN_HIDDEN_SCALE, MAX_HIDDEN_SCALE)
+
+    def check_probe_samples(self) -> None:
+        probes, samples = list(self.probe_samples), len(self.seq_lens)
+        bad = [index for index in probes if isinstance(index, bool) or not 0 <= index < samples]
+        if bad:
+            raise ConfigError(
+                f"workload.probe_samples={probes}: {bad} are no sample index of workload {self.name!r}; valid: "
+                f"0 to {samples - 1}"
+            )
+        repeated = sorted({index for index in probes if probes.count(index) > 1})
+        if repeated:
+            raise ConfigError(
+                f"workload.probe_samples={probes} lists samples {repeated} more than once; list each once"
+            )
+        if len(set(probes)) == samples:  # the chain metrics judge sequences of sampled targets
+            raise ConfigError(
+                f"workload.probe_samples={probes} makes every sample of workload {self.name!r} a probe: leave at "
+                f"least one of samples 0 to {samples - 1} out, so some targets are sampled from the model"
+            )
 
 
 @dataclass(frozen=True)

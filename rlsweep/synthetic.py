@@ -75,10 +75,13 @@ def standard_normal(seed: int, stream: str, rows: torch.Tensor, cols: torch.Tens
 
 
 def normal_matrix(
-    seed: int, stream: str, row_ids: torch.Tensor, width: int, *, scale: float, dtype: torch.dtype
+    seed: int, stream: str, row_ids: torch.Tensor, width: int, *, scale: float | torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """[len(row_ids), width] normals times ``scale`` in ``dtype``, on row_ids' device."""
+    """[len(row_ids), width] normals times ``scale`` (a float, or float64 [len(row_ids)]: one per row) in ``dtype``,
+    on row_ids' device. Scaled in float64 before the one cast, so a row's scale s gives the bits a float s gives."""
     cols = torch.arange(width, dtype=torch.int64, device=row_ids.device)[None, :]
+    if isinstance(scale, torch.Tensor):
+        scale = scale.to(device=row_ids.device, dtype=torch.float64)[:, None]
     return (standard_normal(seed, stream, row_ids.to(torch.int64)[:, None], cols) * scale).to(dtype)
 
 

@@ -23,6 +23,8 @@ class Judgment(StrEnum):
     BACKEND_PARITY = "backend_parity"
     GRADIENT_ACCURACY = "gradient_accuracy"
     GRADIENT_INVARIANCE = "gradient_invariance"
+    KERNEL_ACCURACY = "kernel_accuracy"  # the kernel's own arithmetic, on the logits it read (rlsweep.arithmetic)
+    KERNEL_BIAS = "kernel_bias"  # a one-signed error over many tokens, inside every per-token bound
     EXPECTED_RED = "expected_red"  # a row about a declaration that matched nothing
 
 
@@ -33,6 +35,7 @@ class Tensor(StrEnum):
     LSE = "lse"
     GRAD_HIDDEN = "grad_hidden"
     GRAD_WEIGHT = "grad_weight"
+    LOGITS = "logits"  # the matmul's stored logits, judged element by element (kernel_* rows)
 
 
 FORWARD_TENSORS = (Tensor.LOGP, Tensor.LSE)
@@ -45,6 +48,8 @@ RUN_JUDGMENTS = (
     Judgment.PROVENANCE,
     Judgment.CONTRACT,
     Judgment.GRADIENT_ACCURACY,
+    Judgment.KERNEL_ACCURACY,
+    Judgment.KERNEL_BIAS,
 )
 SWEEP_JUDGMENTS = (Judgment.TP_INVARIANCE, Judgment.BACKEND_PARITY)
 BOTH_LEVELS = (Judgment.GRADIENT_INVARIANCE,)  # judged within a run (across cells) and by the gate (across tp)

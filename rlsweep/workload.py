@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+import itertools
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ from rlsweep.tensor_files import TensorFile, TensorHeader, bits_sha256, tensor_h
 
 REPLAY_TENSORS = ("hidden_states", "target_ids", "seq_lens")
 REPLAY_OPTIONAL = ("active_mask",)
+FINEST_PROBE_TILE = 16  # the narrowest vocab tile a profile may have (profile.vocab_tile: a power of two >= 16)
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class Workload:
 
     ``hidden`` [T, H] in the execution dtype; ``targets`` [T] int64 with kernels.IGNORE_INDEX on
     inactive (prompt) rows; ``active`` [T] bool; ``sample_ids``/``positions`` [T] int64 on the CPU.
+    ``sampled`` [T] bool (CPU): active tokens whose target was drawn from the model's softmax, so metrics of a
+    sampled sequence (the chain metrics) skip probe tokens, whose targets are boundary columns.
     """
 
     name: str
@@ -49,6 +53,7 @@ class Workload:
     hidden: torch.Tensor
     targets: torch.Tensor
     active: torch.Tensor
+    sampled: torch.Tensor
     seq_lens: tuple[int, ...]
 
     @property
@@ -100,19 +105,52 @@ def token_keys(sample_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tenso
 
 
 def synthetic_workload(config: WorkloadSpec, weight: torch.Tensor, *, seed: int, dtype: torch.dtype) -> Workload:
-    """Hidden states from (seed, sample_id, position); completion targets sampled from the model itself."""
+    """Hidden states from (seed, sample_id, position), each sample's scaled by its ``WorkloadSpec.scales`` entry;
+    completion targets sampled from the model itself, or ``probe_columns`` on the probe samples' active tokens."""
     sample_ids = torch.cat([torch.full((n,), s, dtype=torch.int64) for s, n in enumerate(config.seq_lens)])
     positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in config.seq_lens])
     active = torch.cat([torch.arange(n) >= p for n, p in zip(config.seq_lens, config.prompt_lens, strict=True)])
+    probe = active & torch.isin(sample_ids, torch.tensor(config.probe_samples, dtype=torch.int64))
+    sampled = active & ~probe
     keys = token_keys(sample_ids, positions)
-    hidden = normal_matrix(
-        seed, "hidden", keys.to(weight.device), weight.shape[1], scale=config.hidden_scale, dtype=dtype
-    )
+    row_scales = torch.tensor(config.scales, dtype=torch.float64)[sample_ids]
+    hidden = normal_matrix(seed, "hidden", keys.to(weight.device), weight.shape[1], scale=row_scales, dtype=dtype)
     targets = torch.full_like(sample_ids, kernels.IGNORE_INDEX)
-    targets[active] = sample_targets(hidden[active.to(hidden.device)], weight, keys[active], seed=seed)
+    targets[sampled] = sample_targets(hidden[sampled.to(hidden.device)], weight, keys[sampled], seed=seed)
+    targets[probe] = probe_columns(weight.shape[0], int(probe.sum()))
     return Workload(
-        config.name, seed, sample_ids, positions, hidden, targets.to(weight.device), active, tuple(config.seq_lens)
+        config.name,
+        seed,
+        sample_ids,
+        positions,
+        hidden,
+        targets.to(weight.device),
+        active,
+        sampled,
+        tuple(config.seq_lens),
     )
+
+
+def boundary_columns(vocab_size: int) -> Iterator[int]:
+    """``probe_columns``' order, each column once: the vocab's two ends, then both sides of every multiple of
+    2**k below it, coarsest k first, down to the finest tile."""
+    yield from (0, vocab_size - 1)  # the last real column sits next to the padding (vocab_size >= 2: spec.py)
+    seen = {0, vocab_size - 1}
+    coarsest = (vocab_size - 1).bit_length() - 1  # 2**coarsest: the largest power of two below vocab_size
+    finest = FINEST_PROBE_TILE.bit_length() - 1
+    for width in (1 << k for k in range(coarsest, finest - 1, -1)):
+        for column in (c for boundary in range(width, vocab_size, width) for c in (boundary - 1, boundary)):
+            if column not in seen:
+                seen.add(column)
+                yield column
+
+
+def probe_columns(vocab_size: int, count: int) -> torch.Tensor:
+    """``count`` probe targets int64 [count]: vocab columns on tile and shard boundaries, cycling when count exceeds
+    them. Tiles are powers of two >= 16 and shards whole tiles, so coarse boundaries first reach every shard edge
+    for any profile and tp; the columns depend on neither, so runs at any tp and profile get the same workload."""
+    columns = list(itertools.islice(boundary_columns(vocab_size), count))
+    return torch.tensor(list(itertools.islice(itertools.cycle(columns), count)), dtype=torch.int64)
 
 
 def sample_targets(hidden: torch.Tensor, weight: torch.Tensor, keys: torch.Tensor, *, seed: int) -> torch.Tensor:
@@ -259,5 +297,6 @@ def replay_workload(
         hidden.to(device),
         kernel_targets.to(device),
         active,
+        active,  # a capture's targets are whatever produced them: none is a probe
         shape.seq_lens,
     )

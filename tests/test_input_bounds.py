@@ -296,7 +296,7 @@ def fake_workload(seq_lens: list[int], active: torch.Tensor) -> Workload:
     sample_ids = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens))
     positions = torch.cat([torch.arange(n) for n in seq_lens])
     hidden = torch.zeros(len(sample_ids), 1)
-    return Workload("fake", 0, sample_ids, positions, hidden, sample_ids, active, tuple(seq_lens))
+    return Workload("fake", 0, sample_ids, positions, hidden, sample_ids, active, active, tuple(seq_lens))
 
 
 def synthetic_active(seq_lens, prompt_lens) -> torch.Tensor:

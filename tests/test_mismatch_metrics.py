@@ -50,7 +50,7 @@ def random_case(seed: int):
     candidate = torch.where(active, reference + dlogp, torch.nan).float()
     bound = torch.rand(len(sample_ids), generator=gen, dtype=torch.float64) * 0.1 + 0.01
     workload = Workload("random", seed, sample_ids, positions, torch.zeros(len(sample_ids), 1), sample_ids, active,
-                        SEQ_LENS)  # fmt: skip
+                        active, SEQ_LENS)  # fmt: skip
     return workload, reference, candidate, bound
 
 
@@ -160,7 +160,9 @@ def test_nonfinite_dlogp_or_no_active_token_fails_every_judged_metric(fault):
     workload, reference, candidate, bound = random_case(secrets.randbits(31))
     first = int(workload.active.nonzero()[0, 0])
     if fault == "empty":
-        workload = replace(workload, active=torch.zeros_like(workload.active))
+        workload = replace(
+            workload, active=torch.zeros_like(workload.active), sampled=torch.zeros_like(workload.active)
+        )
     else:
         candidate[first] = float(fault)
     rows = judge(load_contract(), workload, reference, candidate, bound)
