@@ -1,7 +1,9 @@
 """Negative control: deliberately layout-variant, so a harness that misses it is blind.
 
-Its vocab split count grows with the number of rows in the call, and each split's sumexp is kept to
-16 mantissa bits before the merge, so a 1-row call and a 64-row call give different bits in most rows.
+Its vocab split count follows the number of rows in the call, cycling through 1..SPLIT_CYCLE, and each split's
+sumexp is kept to 16 mantissa bits before the merge, so two calls whose row counts differ by less than SPLIT_CYCLE
+(a 1-row call and a 64-row one, a batch of 445 rows and the same with 64 filler rows) give different bits in most
+rows.
 (An fp32 reorder alone hides below the ulp of an lse near 16; 2**-17 relative per split does not,
 and stays well inside the fp32 accuracy row.)
 """
@@ -28,13 +30,14 @@ from kernels.contract import EXECUTION_DTYPE_NAMES, DeterminismScope, MergeOrder
 from kernels.provenance import NodeProvenance, observe
 from kernels.sharding import ShardingSpec
 
-MAX_SPLITS = 64
+SPLIT_CYCLE = 61  # prime: needles of 1, 7, 64 and 257 filler rows all move a call's count off its cycle position
 KEPT_MANTISSA_BITS = 16
 
 
 def split_count(rows: int) -> int:
-    """The layout-dependent choice that makes this backend variant."""
-    return max(1, min(rows, MAX_SPLITS))
+    """The layout-dependent choice that makes this backend variant: 1 + (rows - 1) mod SPLIT_CYCLE. A cap instead
+    would make every call past it split alike, blind to batch size exactly where batches are large."""
+    return 1 + (max(rows, 1) - 1) % SPLIT_CYCLE
 
 
 def keep_mantissa_bits(x: torch.Tensor, bits: int) -> torch.Tensor:

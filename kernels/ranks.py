@@ -204,14 +204,14 @@ def finish(
     side ([T, V], in vocab order), so a caller can judge the reduction on the very values it read; a fused backend
     stores none, and then neither does the result."""
     stored = [out.logits for out in ranks]
-    logits = torch.cat(stored, dim=1) if keep_logits and all(x is not None for x in stored) else None
+    kept = torch.cat(stored, dim=1) if keep_logits and all(x is not None for x in stored) else None
     whole = ranks[0].whole
     if whole is not None:  # the backend reduced, merged and finished the rows itself
         nodes = {"logprob": ranks[0].logprob, "tp_merge": ranks[0].tp_merge}
         if ranks[0].matmul is not None:
             nodes = {"matmul": ranks[0].matmul, **nodes}
         provenance = Provenance(nodes=nodes, tp=1, tp_mode=tp_mode)
-        return LogprobResult(whole.logp, whole.lse, whole.active, whole.owner_rank, provenance, logits)
+        return LogprobResult(whole.logp, whole.lse, whole.active, whole.owner_rank, provenance, kept)
     active = targets != IGNORE_INDEX
     if ranks[0].partials is None:
         logits = ranks[0].logits
@@ -232,4 +232,4 @@ def finish(
     if ranks[0].matmul is not None:
         nodes = {"matmul": across_ranks([out.matmul for out in ranks]), **nodes}
     provenance = Provenance(nodes=nodes, tp=sharding.world_size, tp_mode=tp_mode)
-    return LogprobResult(logp=logp, lse=lse, active=active, owner_rank=owner, provenance=provenance, logits=logits)
+    return LogprobResult(logp=logp, lse=lse, active=active, owner_rank=owner, provenance=provenance, logits=kept)

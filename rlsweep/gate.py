@@ -9,6 +9,7 @@ seed and tp. Reading from disk makes the gate work with any launcher.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -319,10 +320,14 @@ def baseline_order(tp: int, tp_mode: str, directory: str) -> tuple:
 
 
 def tp_pairs(runs: Sequence[RunTables]) -> Iterable[tuple[RunTables, list[RunTables]]]:
-    """(run, the runs before it in its group by ``baseline_order``) for every run but its group's first."""
+    """(run, the runs before it in its group by ``baseline_order``) for every run but its group's first.
+
+    A group is one profile as the runs resolved it (a sweep over ``profile.vocab_tile`` makes a group per tile: the
+    promise of tp invariance is for one tile structure, and two tiles sum the vocab in other groupings)."""
     groups: dict[tuple, list[RunTables]] = {}
     for run in runs:
-        groups.setdefault((run.run["profile"], *sweep_group(run)), []).append(run)
+        profile = json.dumps(run.config.get("profile", {}), sort_keys=True, default=str)
+        groups.setdefault((run.run["profile"], profile, *sweep_group(run)), []).append(run)
     for members in groups.values():
         members.sort(key=lambda r: baseline_order(r.run["tp"], r.run["tp_mode"], str(r.directory)))
         yield from ((member, members[:index]) for index, member in enumerate(members) if index)

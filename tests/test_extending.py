@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from rlsweep_fixtures import suite_overrides
 
 from rlsweep.exitcodes import ExitCode
 
@@ -22,7 +23,7 @@ def rlsweep(
 ) -> subprocess.CompletedProcess:
     """``python -m rlsweep --config-dir <config_dir> ... --multirun`` with ``modules`` (tests/) on the import path."""
     command = [sys.executable, "-m", "rlsweep", "--config-dir", str(config_dir), f"hydra.sweep.dir={directory}",
-               *overrides, "--multirun"]  # fmt: skip
+               *suite_overrides(overrides), "--multirun"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(modules), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=TESTS.parent)
 

@@ -73,7 +73,7 @@ def test_kernels_import_nothing_from_rlsweep_and_no_module_imports_itself_back()
 
 
 DOC_QUOTES = [
-    ("kernels.md", f"`min(T, {kernels.control.MAX_SPLITS})`"),
+    ("kernels.md", f"`1 + (T - 1) mod {kernels.control.SPLIT_CYCLE}`"),
     ("kernels.md", f"Every `tp` up to {rlsweep.spec.MAX_TP} is served"),
     ("index.md", f"| `tp` | 1 to {rlsweep.spec.MAX_TP} "),
     ("index.md", f"each split keeps {kernels.control.KEPT_MANTISSA_BITS} mantissa bits"),

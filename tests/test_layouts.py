@@ -17,7 +17,7 @@ from rlsweep.spec import CANONICAL_CELL, CELL_KINDS, DECODE_CELL
 
 @pytest.fixture(scope="module")
 def cfg():
-    return run_spec(compose_run("layout=full"))
+    return run_spec(compose_run("layout=full", "workload=varlen4"))
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,8 @@ def test_padded_and_needle_cells_have_the_configured_row_counts(cfg, cells, work
 
 
 def test_hidden_states_depend_only_on_seed_sample_and_position(cfg, workload):
-    other = build_inputs(run_spec(compose_run("workload.seq_lens=[9,16]", "workload.prompt_lens=[8,8]")))[1]
+    overrides = ("workload=varlen4", "workload.seq_lens=[9,16]", "workload.prompt_lens=[8,8]")
+    other = build_inputs(run_spec(compose_run(*overrides)))[1]
     for row in range(other.num_tokens):
         sample, position = int(other.sample_ids[row]), int(other.positions[row])
         logical = int(workload.sample_rows(sample)[position])
@@ -91,6 +92,6 @@ def test_hidden_states_depend_only_on_seed_sample_and_position(cfg, workload):
     ids=["one sample", "equal lengths", "one chunk per sample"],
 )
 def test_cells_that_make_the_canonical_calls_again_are_refused_by_name(overrides, same):
-    spec = run_spec(compose_run("layout=full", *overrides))
+    spec = run_spec(compose_run("layout=full", "workload=varlen4", *overrides))
     with pytest.raises(ConfigError, match=re.escape(f"layout cell(s) {same} make the very calls of {CANONICAL_CELL}")):
         plan_cells(spec.layout, build_inputs(spec)[1])
