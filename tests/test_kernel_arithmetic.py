@@ -43,7 +43,7 @@ def judged(logits, targets, logp, lse, vocab_tile=256):
 
 @pytest.mark.parametrize("vocab, std", [(17, 4.0), (3001, 4.0), (3001, 0.5), (3001, 32.0), (40000, 4.0)])
 def test_stock_pytorch_stays_within_the_bound_and_unbiased_over_many_seeds(vocab, std):
-    seeds = 100 if vocab <= 3001 else 10
+    seeds = 100 if (vocab, std) == (3001, 4.0) else 10 if vocab > 3001 else 25
     worst = (0.0, 0.0)
     for seed in range(seeds):
         logits, targets = inputs(seed, 64, vocab, std)
