@@ -67,7 +67,7 @@ from kernels.provenance import (
 )
 from kernels.ranks import LogprobResult
 from kernels.rounding import GradientBound, RoundingBound, gradient_bound, logit_errors, rounding_bound
-from kernels.sharding import ShardingSpec, padded_vocab_size
+from kernels.sharding import MIN_VOCAB_TILE, ShardingSpec, padded_vocab_size
 from kernels.validation import EXECUTION_DTYPES, IGNORE_INDEX, ValueChecks, dtype_name
 
 __all__ = [
@@ -76,6 +76,7 @@ __all__ = [
     "EXECUTION_DTYPES",
     "EXECUTION_DTYPE_NAMES",
     "IGNORE_INDEX",
+    "MIN_VOCAB_TILE",
     "NONFINITE_OUTPUTS",
     "OP_NODES",
     "PLATFORMS",

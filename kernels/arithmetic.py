@@ -27,12 +27,12 @@ import torch
 
 from kernels.errors import KernelInputError, ShapeMismatchError
 from kernels.rounding import BOUND_CHUNK_ELEMENTS, FP32_UNIT_ROUNDOFF
+from kernels.sharding import MIN_VOCAB_TILE
 from kernels.validation import IGNORE_INDEX
 
 EXP_ULPS = 16  # two exp evaluations (a tile's and its rescale at the merge), up to 4 ulps (8u) each
 LOG_ULPS = 8  # the log of the sum: up to 4 ulps of max(|log s|, 1) (approximate log2 has an absolute floor near 1)
 FIXED_POINT_UNIT = 2.0**-32  # a fixed-point or truncating merge loses at most one unit per tile of a sum >= 1
-RESCALE_TILE = 16  # the narrowest tile: a term is rescaled at most once per tile of this width on its way
 FINAL_ROUNDINGS = 2  # lse = max + log s and logp = y_t - lse, each at most two fp32 roundings in any arrangement
 
 
@@ -54,7 +54,7 @@ class ArithmeticBound:
 
 def rounding_terms(vocab: int) -> int:
     """The most fp32 roundings on one term's way into the sum: V - 1 additions and a rescale per narrowest tile."""
-    return vocab + math.ceil(vocab / RESCALE_TILE) + 8
+    return vocab + math.ceil(vocab / MIN_VOCAB_TILE) + 8
 
 
 def probabilistic_gamma(n: int, failure_probability: float, trials: int) -> float:

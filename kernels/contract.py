@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import torch
 
 from kernels.errors import KernelInputError
-from kernels.sharding import ShardingSpec
+from kernels.sharding import MIN_VOCAB_TILE, ShardingSpec
 from kernels.validation import EXECUTION_DTYPES, IGNORE_INDEX, dtype_name
 
 PLATFORMS = ("cpu", "cuda")
@@ -115,8 +115,14 @@ class ReductionSpec:
     transport: str = "all_gather"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.vocab_tile, int) or self.vocab_tile < 16 or self.vocab_tile & (self.vocab_tile - 1):
-            raise LogprobContractError(f"reduction.vocab_tile must be a power of two >= 16; got {self.vocab_tile!r}")
+        if (
+            not isinstance(self.vocab_tile, int)
+            or self.vocab_tile < MIN_VOCAB_TILE
+            or self.vocab_tile & (self.vocab_tile - 1)
+        ):
+            raise LogprobContractError(
+                f"reduction.vocab_tile must be a power of two >= {MIN_VOCAB_TILE}; got {self.vocab_tile!r}"
+            )
         scope = parse_choice("reduction.determinism_scope", self.determinism_scope, DeterminismScope)
         order = parse_choice("reduction.merge_order", self.merge_order, MergeOrder)
         object.__setattr__(self, "determinism_scope", scope)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from kernels.errors import TPConfigError
 
+MIN_VOCAB_TILE = 16  # the narrowest vocab tile: tiles are powers of two from here up
+
 
 def padded_vocab_size(vocab_size: int, vocab_tile: int, world_size: int) -> int:
     """Smallest multiple of ``vocab_tile * world_size`` that is >= ``vocab_size``."""
@@ -23,8 +25,8 @@ def check_tile_geometry(vocab_size: int, vocab_tile: int, world_size: int) -> No
     """Raise TPConfigError unless vocab, tile and TP degree describe a servable split."""
     if not is_integer(world_size) or world_size < 1:
         raise TPConfigError(f"tp must be an integer >= 1, got {world_size!r}")
-    if not is_integer(vocab_tile) or vocab_tile < 16 or vocab_tile & (vocab_tile - 1):
-        raise TPConfigError(f"vocab_tile must be a power of two >= 16, got {vocab_tile!r}")
+    if not is_integer(vocab_tile) or vocab_tile < MIN_VOCAB_TILE or vocab_tile & (vocab_tile - 1):
+        raise TPConfigError(f"vocab_tile must be a power of two >= {MIN_VOCAB_TILE}, got {vocab_tile!r}")
     if not is_integer(vocab_size) or vocab_size < 1:
         raise TPConfigError(f"vocab size must be an integer >= 1, got {vocab_size!r}")
 

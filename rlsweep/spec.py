@@ -226,7 +226,7 @@ class ProfileSpec:
         if self.vocab_tile > MAX_VOCAB_TILE:
             raise ConfigError(
                 f"profile.vocab_tile={self.vocab_tile!r} is above {MAX_VOCAB_TILE} "
-                f"(a power of two in [16, {MAX_VOCAB_TILE}])"
+                f"(a power of two in [{kernels.MIN_VOCAB_TILE}, {MAX_VOCAB_TILE}])"
             )
 
     @property
@@ -437,7 +437,11 @@ class RunSpec:
             raise ConfigError(
                 f"tp={self.tp} with profile.vocab_tile={tile} >= model.vocab_size={vocab}: rank 0 holds the whole "
                 "vocab and every other rank padding only, so nothing is split and no tp verdict can fail; use tp=1"
-                + (f", or a vocab_tile below {vocab} (a power of two >= 16)" if vocab > 16 else "")
+                + (
+                    f", or a vocab_tile below {vocab} (a power of two >= {kernels.MIN_VOCAB_TILE})"
+                    if vocab > kernels.MIN_VOCAB_TILE
+                    else ""
+                )
             )
         if self.profile.backend_family not in kernels.BACKENDS or self.profile.backend_family == "reference":
             families = sorted(set(kernels.BACKENDS) - {"reference"})

@@ -17,7 +17,6 @@ from rlsweep.tensor_files import TensorFile, TensorHeader, bits_sha256, tensor_h
 
 REPLAY_TENSORS = ("hidden_states", "target_ids", "seq_lens")
 REPLAY_OPTIONAL = ("active_mask",)
-FINEST_PROBE_TILE = 16  # the narrowest vocab tile a profile may have (profile.vocab_tile: a power of two >= 16)
 
 
 @dataclass(frozen=True)
@@ -137,7 +136,7 @@ def boundary_columns(vocab_size: int) -> Iterator[int]:
     yield from (0, vocab_size - 1)  # the last real column sits next to the padding (vocab_size >= 2: spec.py)
     seen = {0, vocab_size - 1}
     coarsest = (vocab_size - 1).bit_length() - 1  # 2**coarsest: the largest power of two below vocab_size
-    finest = FINEST_PROBE_TILE.bit_length() - 1
+    finest = kernels.MIN_VOCAB_TILE.bit_length() - 1
     for width in (1 << k for k in range(coarsest, finest - 1, -1)):
         for column in (c for boundary in range(width, vocab_size, width) for c in (boundary - 1, boundary)):
             if column not in seen:

@@ -12,7 +12,7 @@ import kernels
 from rlsweep.config import run_spec
 from rlsweep.errors import ConfigError
 from rlsweep.spec import MAX_HIDDEN_SCALE, MIN_HIDDEN_SCALE
-from rlsweep.workload import FINEST_PROBE_TILE, Workload, probe_columns
+from rlsweep.workload import Workload, probe_columns
 
 VOCABS = [3001, 151936]  # model=tiny's and Qwen3's: neither a multiple of a tile
 
@@ -24,12 +24,14 @@ def boundary_sides(vocab_size: int, width: int) -> set[int]:
 
 def widths(vocab_size: int) -> list[int]:
     """The boundary widths probe_columns walks, coarsest first: powers of two below the vocab, down to the tile."""
-    return [w for w in (1 << k for k in range(vocab_size.bit_length(), -1, -1)) if FINEST_PROBE_TILE <= w < vocab_size]
+    return [
+        w for w in (1 << k for k in range(vocab_size.bit_length(), -1, -1)) if kernels.MIN_VOCAB_TILE <= w < vocab_size
+    ]
 
 
 @pytest.mark.parametrize("vocab_size", VOCABS)
 def test_probe_columns_walk_the_boundaries_coarsest_first(vocab_size):
-    every = boundary_sides(vocab_size, FINEST_PROBE_TILE)
+    every = boundary_sides(vocab_size, kernels.MIN_VOCAB_TILE)
     columns = probe_columns(vocab_size, len(every)).tolist()
     assert columns[:2] == [0, vocab_size - 1]
     assert set(columns) == every  # each boundary side once: len(columns) == len(every)
@@ -37,13 +39,13 @@ def test_probe_columns_walk_the_boundaries_coarsest_first(vocab_size):
     for width in widths(vocab_size):  # after a width's level, every coarser-or-equal boundary is in, nothing finer
         level = boundary_sides(vocab_size, width)
         assert set(columns[: len(level)]) == level, width
-    for b in range(FINEST_PROBE_TILE, vocab_size - 1, FINEST_PROBE_TILE):  # b - 1 comes just before b
+    for b in range(kernels.MIN_VOCAB_TILE, vocab_size - 1, kernels.MIN_VOCAB_TILE):  # b - 1 comes just before b
         assert columns.index(b) == columns.index(b - 1) + 1, b
 
 
 @pytest.mark.parametrize("vocab_size", VOCABS)
 def test_probe_columns_cycle_past_the_last_boundary(vocab_size):
-    distinct = len(boundary_sides(vocab_size, FINEST_PROBE_TILE))
+    distinct = len(boundary_sides(vocab_size, kernels.MIN_VOCAB_TILE))
     columns = probe_columns(vocab_size, 2 * distinct + 3)
     assert columns.dtype == torch.int64 and columns.shape == (2 * distinct + 3,)
     assert torch.equal(columns[distinct : 2 * distinct], columns[:distinct])
@@ -52,7 +54,7 @@ def test_probe_columns_cycle_past_the_last_boundary(vocab_size):
 
 
 @pytest.mark.parametrize("vocab_size", VOCABS)
-@pytest.mark.parametrize("tile", [FINEST_PROBE_TILE, 256, 1024])
+@pytest.mark.parametrize("tile", [kernels.MIN_VOCAB_TILE, 256, 1024])
 @pytest.mark.parametrize("tp", [2, 3, 8])
 def test_every_shard_edge_comes_before_any_boundary_finer_than_its_tile(vocab_size, tile, tp):
     sharding = kernels.ShardingSpec.even(vocab_size, tile, tp)
@@ -63,9 +65,9 @@ def test_every_shard_edge_comes_before_any_boundary_finer_than_its_tile(vocab_si
 
 
 def test_the_finest_probe_boundary_is_the_narrowest_tile_the_kernels_take():
-    kernels.ShardingSpec.even(VOCABS[0], FINEST_PROBE_TILE, 2)
+    kernels.ShardingSpec.even(VOCABS[0], kernels.MIN_VOCAB_TILE, 2)
     with pytest.raises(kernels.TPConfigError, match="vocab_tile must be a power of two"):
-        kernels.ShardingSpec.even(VOCABS[0], FINEST_PROBE_TILE // 2, 2)
+        kernels.ShardingSpec.even(VOCABS[0], kernels.MIN_VOCAB_TILE // 2, 2)
 
 
 def probes(workload: Workload, probe_samples) -> torch.Tensor:
