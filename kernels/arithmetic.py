@@ -57,10 +57,14 @@ def rounding_terms(vocab: int) -> int:
     return vocab + math.ceil(vocab / MIN_VOCAB_TILE) + 8
 
 
+def check_failure_probability(failure_probability: float) -> None:
+    if not 0 < failure_probability < 1:  # NaN fails it too
+        raise KernelInputError(f"failure_probability must be in (0, 1), got {failure_probability!r}")
+
+
 def probabilistic_gamma(n: int, failure_probability: float, trials: int) -> float:
     """gamma~(n) at the lam that keeps 2 n trials exp(-lam^2 (1 - u)^2 / 2) <= failure_probability."""
-    if not 0 < failure_probability < 1:
-        raise KernelInputError(f"failure_probability must be in (0, 1), got {failure_probability!r}")
+    check_failure_probability(failure_probability)
     u = FP32_UNIT_ROUNDOFF
     lam = math.sqrt(2 * math.log(2 * n * max(trials, 1) / failure_probability)) / (1 - u)
     return math.expm1(lam * math.sqrt(n) * u + n * u * u / (1 - u))
@@ -148,7 +152,6 @@ def reduction_bound(
 def bias_allowance(systematic: torch.Tensor, variance: torch.Tensor, failure_probability: float) -> float:
     """How far sum(candidate - reference) over tokens may stray from 0 under the model: every systematic part one way,
     plus Hoeffding's deviation of the random parts (sub-Gaussian with the summed proxies) at the failure probability."""
-    if not 0 < failure_probability < 1:
-        raise KernelInputError(f"failure_probability must be in (0, 1), got {failure_probability!r}")
+    check_failure_probability(failure_probability)
     spread = math.sqrt(2 * math.log(2 / failure_probability) * float(variance.double().sum()))
     return float(systematic.double().sum()) + spread

@@ -39,6 +39,12 @@ class KernelArithmetic:
     vocab: int  # logits per token
 
 
+def unfilled(names: Sequence[str], num_tokens: int) -> dict[str, torch.Tensor]:
+    """One float64 [T] column per name, NaN until a call fills it: a token no call computed never passes."""
+    return {name: torch.full((num_tokens,), math.nan, dtype=torch.float64) for name in names}
+
+
+COMPARANDS = tuple(field.name for field in fields(kernels.ArithmeticBound))
 STORED = "the logits each call stored"
 PRODUCTS = "float64 products, the logits' own rounding in the bound"
 
@@ -49,8 +55,7 @@ class ComparandCache:
     every cell, so each token is reduced in float64 once rather than once per cell."""
 
     def __init__(self, num_tokens: int):
-        names = [field.name for field in fields(kernels.ArithmeticBound)]
-        self.values = {name: torch.full((num_tokens,), math.nan, dtype=torch.float64) for name in names}
+        self.values = unfilled(COMPARANDS, num_tokens)
         self.filled = torch.zeros(num_tokens, dtype=torch.bool)
         self.logits: torch.Tensor | None = None
 
@@ -93,12 +98,11 @@ class ArithmeticCollector:
         judge_logits: bool,
         shared: ComparandCache,
     ):
-        self.weight, self.num_tokens, self.tokens = weight, num_tokens, tokens
+        self.weight, self.tokens = weight, tokens
         self.vocab_tile, self.logits_dtype, self.failure_probability = vocab_tile, logits_dtype, failure_probability
         self.judge_logits, self.shared = judge_logits, shared
-        names = [field.name for field in fields(kernels.ArithmeticBound)]
-        self.values = {name: torch.full((num_tokens,), math.nan, dtype=torch.float64) for name in names}
-        self.stats = {name: torch.full((num_tokens,), math.nan, dtype=torch.float64) for name in LOGIT_STATS}
+        self.values = unfilled(COMPARANDS, num_tokens)
+        self.stats = unfilled(LOGIT_STATS, num_tokens)
         self.sources: set[str] = set()
 
     def add(self, call: Call, hidden: torch.Tensor, targets: torch.Tensor, logits: torch.Tensor | None) -> None:

@@ -40,7 +40,8 @@ def padded_partials(x: torch.Tensor, sharding: kernels.ShardingSpec) -> tuple[to
 
 
 class PartialsBug(ToyBackend):
-    """The toy backend with ``logits_for_reduction`` and ``target_logit`` as the places a bug may sit."""
+    """The toy backend with ``reduced`` (the logits its partials are taken of) and ``target_logit`` as the places a
+    bug may sit."""
 
     def reduced(self, x: torch.Tensor, sharding: kernels.ShardingSpec) -> torch.Tensor:
         return x
