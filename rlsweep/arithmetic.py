@@ -103,6 +103,7 @@ class ArithmeticCollector:
         self.judge_logits, self.shared = judge_logits, shared
         self.values = unfilled(COMPARANDS, num_tokens)
         self.stats = unfilled(LOGIT_STATS, num_tokens)
+        self.gathered = torch.zeros(num_tokens, dtype=torch.bool)
         self.sources: set[str] = set()
 
     def add(self, call: Call, hidden: torch.Tensor, targets: torch.Tensor, logits: torch.Tensor | None) -> None:
@@ -130,6 +131,7 @@ class ArithmeticCollector:
             self.shared.remember(index[todo], None if stored is None else stored[todo.to(stored.device)], bound)
         for name, column in self.values.items():
             column[index] = self.shared.values[name][index]
+        self.gathered[index] = True
 
     def add_logit_stats(self, index: torch.Tensor, hidden: torch.Tensor, stored: torch.Tensor) -> None:
         """Stored logits against float64 products of the same operands, within the bound of one fp32-accumulated dot
@@ -142,6 +144,11 @@ class ArithmeticCollector:
         self.stats["scale"][index] = (ratio * torch.sign(products).cpu()).sum(dim=1)
 
     def finish(self) -> KernelArithmetic:
+        """The cell's comparands; every token must have come from one of its calls, else the harness lost a call and
+        its rows would judge nothing (a RuntimeError: exit 1, never a verdict)."""
+        if not bool(self.gathered.all()):
+            missing = int((~self.gathered).sum())
+            raise RuntimeError(f"the kernel_* comparands of {missing} token(s) were never gathered from a call")
         bound = kernels.ArithmeticBound(**self.values)
         logits = dict(self.stats) if self.judge_logits else None
         return KernelArithmetic(bound, " and ".join(sorted(self.sources)), logits, self.weight.shape[0])

@@ -175,3 +175,21 @@ def test_contract_v3_judges_the_kernels_arithmetic_and_needs_its_error_model():
     assert not v2.judges_kernel_arithmetic
     with pytest.raises(ContractError, match="lacks"):
         contract_from_mapping({**older, "error_model": {"failure_probability": 1e-9}})
+
+
+def test_a_cell_whose_comparands_were_not_all_gathered_is_an_error_not_a_verdict():
+    from rlsweep.arithmetic import ArithmeticCollector, ComparandCache
+    from rlsweep.layouts import Call
+
+    logits, targets = inputs(5, 4, 17, 1.0)
+    weight = torch.randn(17, 8).bfloat16()
+    collector = ArithmeticCollector(
+        weight, 4, tokens=4, vocab_tile=16, logits_dtype=torch.bfloat16, failure_probability=FAILURE,
+        judge_logits=False, shared=ComparandCache(4),
+    )  # fmt: skip
+    hidden = torch.randn(4, 8).bfloat16()
+    collector.add(Call(torch.tensor([0, 1]), torch.tensor([-1, -1])), hidden[:2], targets[:2], logits[:2])
+    with pytest.raises(RuntimeError, match="2 token"):
+        collector.finish()  # tokens 2 and 3 came from no call
+    collector.add(Call(torch.tensor([2, 3]), torch.tensor([-1, -1])), hidden[2:], targets[2:], logits[2:])
+    assert bool(torch.isfinite(collector.finish().bound.lse).all())
