@@ -138,7 +138,7 @@ class ArithmeticCollector:
         product rounded once to the stored dtype."""
         products, errors = kernels.logit_errors(hidden, self.weight, stored.dtype)
         ratio = ((stored.double() - products) / errors).cpu()
-        self.stats["max_ratio"][index] = ratio.abs().nan_to_num(nan=math.inf).max(dim=1).values
+        self.stats["max_ratio"][index] = ratio.abs().nan_to_num(nan=math.inf, posinf=math.inf).max(dim=1).values
         self.stats["exceeding"][index] = (~(ratio.abs() <= 1)).sum(dim=1).double()
         self.stats["shift"][index] = ratio.sum(dim=1)
         self.stats["scale"][index] = (ratio * torch.sign(products).cpu()).sum(dim=1)
@@ -199,9 +199,9 @@ def accuracy_row(
 ) -> Verdict:
     """|lhs - rhs| <= allowed on every token; NaN (a token never computed, or a non-finite output) never passes."""
     error = (lhs - rhs).abs()
-    ratio = (error / allowed).nan_to_num(nan=math.inf)
+    ratio = (error / allowed).nan_to_num(nan=math.inf, posinf=math.inf)
     bad = ~(error <= allowed)
-    largest = float(error.nan_to_num(nan=math.inf).max()) if error.numel() else 0.0
+    largest = float(error.nan_to_num(nan=math.inf, posinf=math.inf).max()) if error.numel() else 0.0
     what = f"|{tensor} - float64 on {source}| <= the reduction's bound"
     return token_row(Judgment.KERNEL_ACCURACY, tensor, cell, roles, ratio, bad, where, what, largest)
 
@@ -261,9 +261,9 @@ def logit_rows(
     ratio = stats["max_ratio"][rows]
     exceeding = stats["exceeding"][rows]
     bad = ~(ratio <= 1)
-    accuracy = token_row(Judgment.KERNEL_ACCURACY, Tensor.LOGITS, cell, roles, ratio.nan_to_num(nan=math.inf), bad,
-                         where, "|stored logit - float64 product of the same operands| <= its bound",
-                         math.nan)  # fmt: skip
+    worst = ratio.nan_to_num(nan=math.inf, posinf=math.inf)
+    what = "|stored logit - float64 product of the same operands| <= its bound"
+    accuracy = token_row(Judgment.KERNEL_ACCURACY, Tensor.LOGITS, cell, roles, worst, bad, where, what, math.nan)
     outside = int(exceeding.nan_to_num(nan=vocab).sum())
     detail = accuracy.detail.replace("; max |diff| nan", "") + f"; {outside} of {rows.numel() * vocab} logits exceed"
     accuracy = replace(accuracy, detail=detail)
