@@ -28,7 +28,8 @@ register_configs()
 # In-process runs and single subprocess runs use the four-sample workload their expectations were written for, unless
 # a test names one: the default (hunt: 397 active tokens, docs/contract.md#verdict-power) costs several times more
 # under the Triton interpreter and with grad=true. Sweeps (``multirun``) keep the real defaults, as their job lines
-# show the overrides; tests/test_verdict_power.py runs the default itself.
+# show the overrides, unless a test passes SUITE_WORKLOAD (the Triton sweeps do); tests/test_verdict_power.py runs
+# the default itself.
 SUITE_WORKLOAD = "workload=varlen4"
 
 

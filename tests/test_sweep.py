@@ -11,7 +11,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
-from rlsweep_fixtures import compose_run, multirun, needs_launcher, table_file, with_fault
+from rlsweep_fixtures import SUITE_WORKLOAD, compose_run, multirun, needs_launcher, table_file, with_fault
 
 from rlsweep import environment
 from rlsweep.callbacks import RlsweepCallback, preflight_jobs
@@ -38,7 +38,9 @@ def run_cells(sweep_dir: Path) -> set[str]:
 def test_triton_sweep_is_green_with_a_bitwise_tp_row_for_every_cell(tmp_path):
     # tiny (V=3001) in CUDA-sized tiles of 1024 has 3 tiles of real columns: at tp=4 rank 3 holds padding only,
     # and the tp row is bitwise, so an all-padding rank must merge as the exact identity.
-    done = multirun(tmp_path, "profile=triton_cpu_bf16", "layout=smoke", "profile.vocab_tile=1024", "tp=1,4")
+    done = multirun(
+        tmp_path, SUITE_WORKLOAD, "profile=triton_cpu_bf16", "layout=smoke", "profile.vocab_tile=1024", "tp=1,4"
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     tp_rows = sweep_checks(tmp_path).query("judgment == 'tp_invariance'")
     assert set(tp_rows["lhs_cell"]) == run_cells(tmp_path)
@@ -65,7 +67,7 @@ def test_runs_of_one_workload_name_are_grouped_by_their_inputs_bits(tmp_path):
 def test_every_cell_and_gradient_at_tp_2_is_judged_against_a_tp_1_run_that_computed_it(tmp_path, varied):
     # The group's first run (tp=1, job 0) lacks B1/full, or did not differentiate: the tp=2 run of the other value
     # is compared with the tp=1 run that has what it computed, never left unjudged.
-    done = multirun(tmp_path, "profile=triton_cpu_bf16", "tp=1,2", *varied, "layout.needles=[]",
+    done = multirun(tmp_path, SUITE_WORKLOAD, "profile=triton_cpu_bf16", "tp=1,2", *varied, "layout.needles=[]",
                     "profile.vocab_tile=1024")  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     tokens = pd.read_parquet(tmp_path / TOKENS_TABLE, columns=["run_id", "tp", "cell", "grad_bits"])
@@ -355,8 +357,8 @@ def test_a_gradient_declaration_of_a_sweep_over_grad_is_judged_by_the_jobs_that_
 
 
 def test_distributed_gloo_ranks_inside_a_sweep_match_emulated_bitwise(tmp_path):
-    done = multirun(tmp_path, "profile=triton_cpu_bf16", "layout=smoke", "profile.vocab_tile=1024", "tp=2",
-                    "tp_mode=emulated,distributed")  # fmt: skip
+    done = multirun(tmp_path, SUITE_WORKLOAD, "profile=triton_cpu_bf16", "layout=smoke", "profile.vocab_tile=1024",
+                    "tp=2", "tp_mode=emulated,distributed")  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     rows = sweep_checks(tmp_path).query("judgment == 'tp_invariance'")
     assert set(rows["tp_mode"]) == {"distributed"} and set(rows["lhs_cell"]) == run_cells(tmp_path)
