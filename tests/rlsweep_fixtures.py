@@ -25,12 +25,16 @@ from rlsweep.workload import Workload, build_workload
 
 register_configs()
 
-# In-process runs and single subprocess runs use the four-sample workload their expectations were written for, unless
-# a test names one: the default (hunt: 397 active tokens, docs/contract.md#verdict-power) costs several times more
-# under the Triton interpreter and with grad=true. Sweeps (``multirun``) keep the real defaults, as their job lines
-# show the overrides, unless a test passes SUITE_WORKLOAD (the Triton sweeps do); tests/test_verdict_power.py runs
-# the default itself.
+# The suite's runs and sweeps use the four-sample workload their expectations were written for, unless a test names a
+# workload or a sweep: the default (hunt: 397 active tokens, docs/contract.md#verdict-power) costs several times more
+# under the Triton interpreter and with grad=true. A sweep's job lines show it among the overrides (``job_line``).
+# tests/test_verdict_power.py runs the default itself.
 SUITE_WORKLOAD = "workload=varlen4"
+
+
+def job_line(*overrides: str) -> str:
+    """The overrides of a sweep's job as its progress and error lines print them: SUITE_WORKLOAD first."""
+    return " ".join(suite_overrides(overrides))
 
 
 def suite_overrides(overrides: tuple[str, ...] | list[str]) -> list[str]:
@@ -121,7 +125,14 @@ def needs_launcher(name: str) -> pytest.MarkDecorator:
 
 def multirun(sweep_dir: Path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """``python -m rlsweep <overrides> --multirun`` into ``sweep_dir``."""
-    command = [sys.executable, "-m", "rlsweep", f"hydra.sweep.dir={sweep_dir}", *overrides, "--multirun"]
+    command = [
+        sys.executable,
+        "-m",
+        "rlsweep",
+        f"hydra.sweep.dir={sweep_dir}",
+        *suite_overrides(overrides),
+        "--multirun",
+    ]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
 
 
@@ -133,4 +144,5 @@ def with_fault(fault: str, module: str, *args: str, timeout: int = 600) -> subpr
     """
     start = f"sys.argv = [{module!r}, *sys.argv[1:]]\nrunpy.run_module({module!r}, run_name='__main__')"
     script = f"import sys, runpy\n{fault}\n{start}"
+    args = suite_overrides(args) if module == "rlsweep" else list(args)
     return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout)

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from rlsweep_fixtures import multirun, needs_launcher, run_rlsweep, table_file, tables_left, with_fault
+from rlsweep_fixtures import job_line, multirun, needs_launcher, run_rlsweep, table_file, tables_left, with_fault
 from safetensors.torch import save_file
 
 from rlsweep import analysis
@@ -207,7 +207,7 @@ def test_a_missing_job_is_named(sweep, capsys, missing):
         shutil.rmtree(sweep / "1")
     code, output = check(sweep, capsys)
     assert code == ExitCode.INCOMPLETE, output
-    assert "job #1 (profile=cpu_bf16 layout=smoke tp=2)" in output
+    assert f"job #1 ({job_line('profile=cpu_bf16', 'layout=smoke', 'tp=2')})" in output
 
 
 def write_failing_copy(source: Path, target: Path) -> None:
@@ -261,7 +261,11 @@ def crash_job_1(sweep: Path) -> None:
         ("drop job #1 by hand", ExitCode.ERROR, "was changed after the sweep wrote it"),
         ("repeat job #0 by hand", ExitCode.ERROR, "was changed after the sweep wrote it"),
         ("drop job #1 through rlsweep", ExitCode.INCOMPLETE, "not a job of"),
-        ("repeat job #0 through rlsweep", ExitCode.ERROR, "job #1 (profile=cpu_bf16 layout=smoke tp=1) repeats job #0"),
+        (
+            "repeat job #0 through rlsweep",
+            ExitCode.ERROR,
+            f"job #1 ({job_line('profile=cpu_bf16', 'layout=smoke', 'tp=1')}) repeats job #0",
+        ),
         ("another sweep in multirun.yaml", ExitCode.ERROR, "multirun.yaml"),
     ],
 )
@@ -311,7 +315,7 @@ def test_a_job_dir_checked_alone_is_never_the_sweeps_green(sweep, capsys, crashe
         crash_job_1(sweep)
     code, output = check(sweep / "0", capsys)
     assert code == ExitCode.INCOMPLETE, output
-    job = "job #0 (profile=cpu_bf16 layout=smoke tp=1)"
+    job = f"job #0 ({job_line('profile=cpu_bf16', 'layout=smoke', 'tp=1')})"
     assert output.strip().splitlines()[-1].startswith(f"sweep gate: {job} of the sweep {sweep} only: 1 runs")
     assert f"python -m rlsweep.check {sweep}" in output
     verdicts = len(pd.read_parquet(sweep / CHECKS_TABLE / "job=0"))
@@ -358,7 +362,8 @@ def test_a_job_that_calls_sys_exit_fails_the_sweep_instead_of_ending_it_green(tm
     output = done.stdout + done.stderr
     assert done.returncode == ExitCode.ERROR and "Traceback" not in output and "sweep gate:" not in output, output
     assert done.stderr.splitlines()[-1] == (
-        "rlsweep: error: job #0 (profile=cpu_bf16 layout=smoke tp=1) failed: the run ended early through "
+        f"rlsweep: error: job #0 ({job_line('profile=cpu_bf16', 'layout=smoke', 'tp=1')}) failed: the run ended early "
+        "through "
         "sys.exit(None), before its verdicts"
     )
     assert set(pd.read_parquet(tmp_path / CHECKS_TABLE, columns=["tp"])["tp"]) == {2}  # the other job ran

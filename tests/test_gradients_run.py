@@ -186,11 +186,11 @@ def test_upstream_gradient_is_per_token_and_reaches_prompt_tokens_too():
 def test_the_gate_compares_each_tokens_d_hidden_and_each_cells_d_weight_bits_across_tp(tmp_path):
     from dataclasses import replace
 
-    from rlsweep_fixtures import SUITE_WORKLOAD, multirun
+    from rlsweep_fixtures import multirun
 
     from rlsweep.gate import gradient_tp_invariance, load_run, run_gate, tp_invariance
 
-    done = multirun(tmp_path, SUITE_WORKLOAD, "grad=true", *SMALL, "tp=1,2")
+    done = multirun(tmp_path, "grad=true", *SMALL, "tp=1,2")
     assert done.returncode == 0, done.stdout + done.stderr
     sweep = pd.read_parquet(tmp_path / "sweep_checks.parquet")
     rows = sweep[sweep.judgment == "gradient_invariance"]
