@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 from hydra import compose, initialize_config_module
@@ -104,9 +103,8 @@ def run_rlsweep(
     directory: Path, *overrides: str, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> Completed:
     """A real ``python -m rlsweep`` subprocess writing into ``directory`` (``env``: added variables)."""
-    command = [sys.executable, "-m", "rlsweep", f"hydra.run.dir={directory}", *suite_overrides(overrides)]
-    environment = {**os.environ, **(env or {})}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment, cwd=cwd)
+    args = [f"hydra.run.dir={directory}", *suite_overrides(overrides)]
+    done = forkserver.run("-m", "rlsweep", args, env=env, cwd=cwd, timeout=300)
     return Completed(done.returncode, done.stdout, done.stderr, directory)
 
 
@@ -125,15 +123,8 @@ def needs_launcher(name: str) -> pytest.MarkDecorator:
 
 def multirun(sweep_dir: Path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """``python -m rlsweep <overrides> --multirun`` into ``sweep_dir``."""
-    command = [
-        sys.executable,
-        "-m",
-        "rlsweep",
-        f"hydra.sweep.dir={sweep_dir}",
-        *suite_overrides(overrides),
-        "--multirun",
-    ]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    args = [f"hydra.sweep.dir={sweep_dir}", *suite_overrides(overrides), "--multirun"]
+    return forkserver.run("-m", "rlsweep", args, timeout=timeout)
 
 
 def with_fault(fault: str, module: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -145,4 +136,4 @@ def with_fault(fault: str, module: str, *args: str, timeout: int = 600) -> subpr
     start = f"sys.argv = [{module!r}, *sys.argv[1:]]\nrunpy.run_module({module!r}, run_name='__main__')"
     script = f"import sys, runpy\n{fault}\n{start}"
     args = suite_overrides(args) if module == "rlsweep" else list(args)
-    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout)
+    return forkserver.run("-c", script, args, timeout=timeout)

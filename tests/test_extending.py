@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
+import forkserver
 import pandas as pd
 import pytest
 from rlsweep_fixtures import suite_overrides
@@ -22,10 +22,9 @@ def rlsweep(
     directory: Path, *overrides: str, config_dir: Path = TOY_CONF, modules: Path = TESTS
 ) -> subprocess.CompletedProcess:
     """``python -m rlsweep --config-dir <config_dir> ... --multirun`` with ``modules`` (tests/) on the import path."""
-    command = [sys.executable, "-m", "rlsweep", "--config-dir", str(config_dir), f"hydra.sweep.dir={directory}",
-               *suite_overrides(overrides), "--multirun"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(modules), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=TESTS.parent)
+    args = ["--config-dir", str(config_dir), f"hydra.sweep.dir={directory}", *suite_overrides(overrides), "--multirun"]
+    env = {"PYTHONPATH": os.pathsep.join([str(modules), os.environ.get("PYTHONPATH", "")])}
+    return forkserver.run("-m", "rlsweep", args, env=env, cwd=TESTS.parent, timeout=600)
 
 
 @pytest.mark.xdist_group("extending")

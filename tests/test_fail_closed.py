@@ -14,6 +14,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import forkserver
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -466,8 +467,7 @@ def test_a_weights_file_changed_during_a_sweep_is_incomplete_not_green(tmp_path)
     assert_not_green(done, ExitCode.INCOMPLETE)
     assert f"read the weights file {str(path)!r} with 2 different contents" in done.stdout
     assert "tp=2 (emulated) computed other inputs" in done.stdout  # and the run left without its tp verdicts
-    again = subprocess.run([sys.executable, "-m", "rlsweep.check", "sweep"], capture_output=True, text=True,
-                           cwd=tmp_path, timeout=300)  # fmt: skip
+    again = forkserver.run("-m", "rlsweep.check", ["sweep"], cwd=tmp_path, timeout=300)
     assert_not_green(again, ExitCode.INCOMPLETE)
     assert "with 2 different contents (" in again.stdout
 
@@ -741,5 +741,5 @@ def test_a_run_whose_kernels_provenance_stopped_is_red_with_every_verdict_presen
     done = run_rlsweep(tmp_path, "layout=smoke", "profile.determinism_scope=cross_tp_bitwise",
                        "profile.merge_order=global_tile")  # fmt: skip
     assert_not_green(done, ExitCode.RED)
-    report = subprocess.run([sys.executable, "-m", "rlsweep.report", str(tmp_path)], capture_output=True, text=True)
+    report = forkserver.run("-m", "rlsweep.report", [str(tmp_path)])
     assert_not_green(report, ExitCode.RED)

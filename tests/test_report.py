@@ -8,10 +8,9 @@ import importlib.metadata
 import platform
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 from rlsweep_fixtures import multirun, run_rlsweep, table_file
@@ -46,12 +45,7 @@ DETAILS = re.compile(r"<details><summary>(.*?)</summary>(.*?)</details>", re.S)
 def report_dir(small_sweep, tmp_path_factory):
     """The report of the shared sweep, written elsewhere so the sweep dir stays as the multirun left it."""
     out = tmp_path_factory.mktemp("report")
-    done = subprocess.run(
-        [sys.executable, "-m", "rlsweep.report", str(small_sweep), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = forkserver.run("-m", "rlsweep.report", [str(small_sweep), "--out", str(out)], timeout=120)
     assert done.returncode == run_gate(small_sweep).exit_code == 2, done.stdout + done.stderr
     assert "-> RED" in done.stdout
     return out
