@@ -53,6 +53,7 @@ from rlsweep.verdicts import (
     Verdict,
     as_expected,
 )
+from rlsweep.verdicts import judged as verdict_judged
 
 SWEEP_CHECKS_TABLE = "sweep_checks.parquet"
 SUMMARY_FILE = "summary.md"
@@ -295,8 +296,11 @@ def declaration_check(
             ids = {run.run["run_id"] for run in selected}
             of = compared if compared is not None else [{row["run_id"]} for row in sweep_rows]
             judged = [row for row, runs_of in zip(sweep_rows, of, strict=True) if runs_of & ids]
-            judged += [row for run in selected for row in run.checks[list(DECLARED_BY)].to_dict("records")]
-            matched = sum(declaration.declares(*(row[key] for key in DECLARED_BY)) for row in judged)
+            judged += [row for run in selected for row in run.checks[[*DECLARED_BY, "detail"]].to_dict("records")]
+            matched = sum(
+                verdict_judged(row["detail"]) and declaration.declares(*(row[key] for key in DECLARED_BY))
+                for row in judged
+            )
             if not matched:
                 rows += verdict_rows(selected[0], [declaration_verdict(declaration, 0, "this sweep")])
     return rows

@@ -24,6 +24,7 @@ from rlsweep.verdicts import (
     GRAD_ONLY,
     GRADIENT_TENSORS,
     NO_CELL,
+    NOT_RUN_DETAIL,
     REPORTED_ONLY,
     RUN_JUDGMENTS,
     Judgment,
@@ -186,13 +187,13 @@ def chain_aggregates(
         value = math.nan if failure else metric.value(dlogp, tokens)
         about = failure or metric.describe(tokens)
         row = Verdict(Judgment.CHAIN_AGGREGATES, "logp", *roles, *cells, metric=metric.name, value=value,
-                      threshold=math.nan, passed=True, judged=False,
+                      threshold=math.nan, passed=True,
                       detail=f"{REPORTED_ONLY}: contract {contract.version} has no row for it; {about}")  # fmt: skip
         if metric.name in contract.chain_metrics:
             lower, upper = thresholds.limits(metric.name, standard.bound["logp"][rows], tokens)
             passed = not failure and math.isfinite(value) and lower <= value <= upper
             within = f"{lower:.4g} <= value <= {upper:.4g}" if metric.signed else f"value <= {upper:.4g}"
-            row = replace(row, threshold=upper, passed=passed, judged=True, detail=f"{within} ({source}); {about}")
+            row = replace(row, threshold=upper, passed=passed, detail=f"{within} ({source}); {about}")
         verdicts += [replace(row, metric=name) for name in metric.names]
     return verdicts
 
@@ -398,7 +399,8 @@ def declaration_rows(
 
 
 def apply_expected(verdicts: list[Verdict], declarations: Sequence[ExpectedRed]) -> list[Verdict]:
-    """expected_pass = False where a declaration matches judgment, cell and tensor (strict, per row)."""
+    """expected_pass = False where a declaration matches judgment, cell and tensor (strict, per row) of a verdict that
+    was judged: one never computed stays expected to pass, so it is red as not run, never "as expected"."""
     out = []
     for verdict in verdicts:
         expected_red = verdict.judged and any(
@@ -431,7 +433,7 @@ def unmatched_declarations(
     """One red row per declaration that matches none of ``verdicts``."""
     rows = []
     for declaration in declarations:
-        matched = sum(declaration.declares(v.judgment, v.lhs_cell, v.tensor) for v in verdicts)
+        matched = sum(v.judged and declaration.declares(v.judgment, v.lhs_cell, v.tensor) for v in verdicts)
         if not matched:
             rows.append(declaration_verdict(declaration, 0, scope))
     return rows
@@ -494,8 +496,9 @@ def plan_key(verdict: Verdict) -> tuple[str, str, str, str]:
 def not_run_verdicts(judged: Sequence[Verdict], planned: Sequence[Verdict], reason: str) -> list[Verdict]:
     """Red rows for the planned verdicts that were not judged because ``reason`` stopped the kernels."""
     done = {plan_key(verdict) for verdict in judged}
+    reason = " ".join(reason.split())  # a detail is one line
     return [
-        replace(plan, metric=plan.metric if plan.judgment in PER_METRIC else NOT_RUN, detail=f"not run: {reason}")
+        replace(plan, metric=plan.metric if plan.judgment in PER_METRIC else NOT_RUN, detail=NOT_RUN_DETAIL + reason)
         for plan in planned
         if plan_key(plan) not in done
     ]

@@ -168,7 +168,7 @@ def execute(spec: RunSpec, location: RunLocation, identity: RunIdentity, *, stan
     verdicts += judged
     if computed.stopped:
         planned = planned_verdicts(spec.layout.cell_names, contract, grad=spec.grad, logits=judges_logits(spec))
-        verdicts += not_run_verdicts(judged, planned, "provenance stopped the kernels")
+        verdicts += not_run_verdicts(judged, planned, f"provenance stopped the kernels ({computed.stopped})")
     verdicts = apply_expected(verdicts, spec.expectations)
     verdicts += declaration_rows(verdicts, spec.declarations, profile.name, spec.tp, standalone=standalone)
     metadata = {

@@ -58,6 +58,14 @@ GRAD_ONLY = (Judgment.GRADIENT_ACCURACY,)  # run judgments that only a grad=true
 NO_CELL = ""  # lhs_cell/rhs_cell of verdicts that are not about a cell (contract, weight pin)
 # The detail's start of a chain row the contract has no row for: threshold NaN, passed and expected_pass true.
 REPORTED_ONLY = "reported, not judged"
+# The detail's start of a verdict that was never computed (provenance stopped the kernels): value NaN, passed false.
+NOT_RUN_DETAIL = "not run: "
+
+
+def judged(detail: str) -> bool:
+    """Whether a row's verdict was computed and compared with its threshold, by its detail: not a reported-only row,
+    not one that never ran. Only such a verdict can fail as declared (docs/sweeps.md#expected-verdicts-in-a-sweep)."""
+    return not (detail.startswith(REPORTED_ONLY) or detail.startswith(NOT_RUN_DETAIL))
 
 
 def as_expected(passed: Any, expected_pass: Any) -> Any:
@@ -86,7 +94,10 @@ class Verdict:
     first_sample_id: int | None = None
     first_position: int | None = None
     detail: str = ""
-    judged: bool = True  # False: a reported-only row (REPORTED_ONLY), which no declaration can make expected red
+
+    @property
+    def judged(self) -> bool:
+        return judged(self.detail)
 
     @property
     def as_expected(self) -> bool:

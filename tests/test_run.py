@@ -13,6 +13,8 @@ import torch
 from rlsweep_fixtures import build_inputs, compose_run, run_rlsweep, table_file, tables_left
 
 from rlsweep.config import run_spec
+from rlsweep.exitcodes import ExitCode
+from rlsweep.gate import run_gate
 from rlsweep.layouts import plan_cells
 from rlsweep.manifest import verify_run
 from rlsweep.spec import CANONICAL_CELL
@@ -127,6 +129,29 @@ def test_a_profile_claiming_more_than_its_backend_keeps_is_refused_by_dispatch(t
         "forward_accuracy", "forward_invariance", "chain_aggregates", "smoke", "kernel_accuracy", "kernel_bias"
     }  # fmt: skip
     assert not_run.detail.str.startswith("not run: provenance").all() and not not_run.passed.any()
+
+
+def test_a_verdict_never_computed_is_never_red_as_declared(tmp_path):
+    # Every judgment declared red, on a run whose provenance stops the kernels: only the provenance row was computed,
+    # so it alone may fail as declared; the rows that never ran stay red, and so does the run.
+    declared = ("provenance", "forward_accuracy", "forward_invariance", "chain_aggregates", "smoke", "kernel_accuracy",
+                "kernel_bias")  # fmt: skip
+    declaration = ",".join(f"{{judgment: {judgment}, reason: test}}" for judgment in declared)
+    done = run_rlsweep(
+        tmp_path, "layout=smoke", "profile.determinism_scope=cross_tp_bitwise", "profile.merge_order=global_tile",
+        f"+profile.expected_red=[{declaration}]",
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    _, checks = read(tmp_path)
+    not_run = checks[checks.detail.str.startswith("not run: provenance stopped the kernels (no logprob backend")]
+    assert not_run.detail.str.contains("determinism scope 'cross_tp_bitwise' not guaranteed").all()
+    assert len(not_run) > 20 and not not_run.passed.any() and not_run.expected_pass.all()
+    provenance = checks[checks.judgment == "provenance"]
+    assert not provenance.passed.any() and not provenance.expected_pass.any()
+    # A declaration that only never-computed rows could match matched nothing: each is a red row of its own.
+    unmatched = checks[checks.judgment == "expected_red"]
+    assert set(unmatched.tensor) == set(declared) - {"provenance"} and not unmatched.passed.any()
+    assert run_gate(tmp_path).exit_code == ExitCode.RED
 
 
 def test_an_inconsistent_logprob_contract_is_a_usage_error(tmp_path):
