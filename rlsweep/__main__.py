@@ -23,6 +23,7 @@ from rlsweep.config import register_configs, run_spec, saved_config_sha256
 from rlsweep.errors import ConfigError, RlsweepError
 from rlsweep.exitcodes import ExitCode, guarded, one_line, stop_on_sigterm
 from rlsweep.job import run_job
+from rlsweep.manifest import HYDRA_CONFIG
 from rlsweep.run import choose_triton_mode
 from rlsweep.tables import RunLocation
 
@@ -64,7 +65,9 @@ def run_at(cfg: DictConfig, location: RunLocation, *, resume: bool, standalone: 
     A ``sys.exit()`` inside the run (a backend module's, a library's) is its error: let through, exit 0 ended the
     process GREEN with no tables, and in a sweep skipped the other jobs and the gate.
     """
-    saved = saved_config_sha256(cfg)
+    # The manifest names the config Hydra saved beside the tables only where one is: not with tables_dir elsewhere,
+    # nor with hydra.output_subdir=null; a run whose saved config is later deleted is then incomplete.
+    saved = saved_config_sha256(cfg) if (location.run_dir / HYDRA_CONFIG).is_file() else None
     try:
         return run_job(lambda: run_spec(cfg), location, resume=resume, standalone=standalone, saved_config_sha256=saved)
     except SystemExit as stop:

@@ -30,6 +30,7 @@ from rlsweep.errors import ContractError, OutputDirError, TablesNotFoundError
 from rlsweep.exitcodes import ExitCode, combine, one_line
 from rlsweep.judgments import apply_expected, compare_tokens, declaration_verdict
 from rlsweep.manifest import MANIFEST_FILE, canonical_sha256, input_paths, read_manifest, verify_run
+from rlsweep.planned import plan_problems
 from rlsweep.spec import CANONICAL_CELL, ExpectedRed, declarations_of
 from rlsweep.tables import (
     CHECKS_SCHEMA,
@@ -242,7 +243,12 @@ def run_gate(root: str | Path) -> GateResult:
         raise TablesNotFoundError(
             f"no rlsweep run ({MANIFEST_FILE}, {CHECKS_TABLE}/, {TOKENS_TABLE}/) in {str(root)!r}"
         )
-    runs = [load_run(directory) for directory in complete]
+    runs = []
+    for run in (load_run(directory) for directory in complete):
+        problems = plan_problems(run.config, run.contract, run.checks, standalone=run.sweep == lexical(run.directory))
+        incomplete += [f"{run.directory}: its checks table is not the verdicts its config implies: {problem}"
+                       for problem in problems]  # fmt: skip
+        runs += [] if problems else [run]
     incomplete += changed_inputs(runs) + without_baseline(runs)
     rows: list[dict[str, Any]] = []
     compared: list[set[str]] = []  # the runs each row is of: its lhs run, and a parity row's rhs run too

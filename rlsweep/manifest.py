@@ -277,6 +277,9 @@ def verify_run(directory: Path) -> RunState:
         beside = saved_config_sha256(directory)
     except Exception as err:
         return RunState(directory, manifest, f"{HYDRA_CONFIG} cannot be read: {' '.join(str(err).split())}")
+    if beside is None and manifest.get("saved_config_sha256") is not None:
+        return RunState(directory, manifest, f"its manifest names the config saved beside it ({HYDRA_CONFIG}), which is "
+                        "gone: the tables cannot be tied to the config that produced them")  # fmt: skip
     if beside is not None and beside != manifest.get("saved_config_sha256"):
         return RunState(directory, manifest, f"the tables are not from the config beside them ({HYDRA_CONFIG})")
     return RunState(directory, manifest)

@@ -528,7 +528,6 @@ def parse_run_spec(config: Mapping[str, Any], *, contract_file: str, profile_fil
     # Every shard a run of whole tiles: ranks past the real vocab own padding only, which merges as the identity.
     sharding = kernels.ShardingSpec.even(model.vocab_size, profile_spec.vocab_tile, tp)
     contract_document = config["contract"]
-    needles = tuple(build(Needle, n, f"layout.needles[{i}]") for i, n in enumerate(config["layout"]["needles"]))
     return build(
         RunSpec,
         config,
@@ -536,7 +535,7 @@ def parse_run_spec(config: Mapping[str, Any], *, contract_file: str, profile_fil
         model=model,
         profile=profile_spec,
         workload=build(WorkloadSpec, config["workload"], "workload"),
-        layout=build(LayoutSpec, config["layout"], "layout", needles=needles),
+        layout=layout_of(config),
         contract=contract_from_mapping(contract_document, source=f"contract={contract_file}", file_name=contract_file),
         sharding=sharding,
         expected_red=expected_reds(config.get("expected_red", ()), "expected_red"),
@@ -546,6 +545,12 @@ def parse_run_spec(config: Mapping[str, Any], *, contract_file: str, profile_fil
 
 def expected_reds(entries: Sequence[Mapping[str, Any]], where: str) -> tuple[ExpectedRed, ...]:
     return tuple(build(ExpectedRed, entry, f"{where}[{i}]") for i, entry in enumerate(entries))
+
+
+def layout_of(config: Mapping[str, Any]) -> LayoutSpec:
+    """The layout a resolved run config computes (the gate plans a run's verdicts from it, without its backend)."""
+    needles = tuple(build(Needle, n, f"layout.needles[{i}]") for i, n in enumerate(config["layout"]["needles"]))
+    return build(LayoutSpec, config["layout"], "layout", needles=needles)
 
 
 def declarations_of(config: Mapping[str, Any]) -> tuple[ExpectedRed, ...]:
