@@ -39,10 +39,12 @@ BOUND_CHUNK_ELEMENTS = 1 << 24  # float64 working set per chunk of rows: a few o
 
 @dataclass(frozen=True)
 class RoundingBound:
-    """Per-row float64 bounds [T] on |candidate - reference| for logp (0 on inactive rows) and lse."""
+    """Per-row float64 bounds [T] on |candidate - reference| for logp (0 on inactive rows) and lse, and the spread of
+    each row's logits: a logp within the spread of -log(V) is what a kernel that ignored the row would give."""
 
     logp: torch.Tensor
     lse: torch.Tensor
+    spread: torch.Tensor  # [T] float64: max - min of the row's float64 logits, the most any logp can tell apart
 
 
 def gamma(n: int | float) -> float:
@@ -84,7 +86,7 @@ def rounding_bound(
     check_bound_inputs(hidden, weight, targets, logits_dtype)
     vocab = weight.shape[0]
     chunk = max(1, BOUND_CHUNK_ELEMENTS // max(vocab, 1))
-    logp_parts, lse_parts = [], []
+    logp_parts, lse_parts, spread_parts = [], [], []
     for rows in torch.split(torch.arange(hidden.shape[0]), chunk):
         rows = rows.to(hidden.device)
         x, e = logit_errors(hidden[rows], weight, logits_dtype)
@@ -97,8 +99,9 @@ def rounding_bound(
         x_t, e_t = x.gather(1, index)[:, 0], e.gather(1, index)[:, 0]
         arithmetic = gamma(vocab + 8) + 4 * FP32_UNIT_ROUNDOFF * (lse.abs() + x_t.abs() + math.log(max(vocab, 2)))
         lse_parts.append((spread + arithmetic).cpu())
+        spread_parts.append((x.amax(dim=1) - x.amin(dim=1)).cpu())
         logp_parts.append(torch.where(active, e_t + spread + arithmetic, torch.zeros_like(spread)).cpu())
-    return RoundingBound(torch.cat(logp_parts), torch.cat(lse_parts))
+    return RoundingBound(torch.cat(logp_parts), torch.cat(lse_parts), torch.cat(spread_parts))
 
 
 def check_bound_inputs(

@@ -109,13 +109,19 @@ class Tolerance:
                 raise ContractError(f"bitwise comparison needs one dtype, got {lhs.dtype} and {rhs.dtype}")
             # Bit patterns, so -0.0 vs 0.0 and NaN payloads count as differences.
             return kernels.bit_pattern(lhs) != kernels.bit_pattern(rhs)
-        diff = (lhs.double() - rhs.double()).abs()
+        return ~((lhs.double() - rhs.double()).abs() <= self.allowance(rhs, bound))
+
+    def allowance(self, rhs: torch.Tensor, bound: torch.Tensor | None = None) -> torch.Tensor:
+        """rhs[N] (and bound[N] for rounding_model) -> float64 [N]: the most |lhs - rhs| a pair may differ by (0 for
+        bitwise rows, which allow no bit to differ)."""
+        if self.mode == "bitwise":
+            return torch.zeros_like(rhs, dtype=torch.float64)
         if self.mode == ROUNDING_MODEL:
-            if bound is None or bound.shape != lhs.shape:
-                raise ContractError(f"a rounding_model row needs a bound of shape {tuple(lhs.shape)}, got "
+            if bound is None or bound.shape != rhs.shape:
+                raise ContractError(f"a rounding_model row needs a bound of shape {tuple(rhs.shape)}, got "
                                     f"{None if bound is None else tuple(bound.shape)}")  # fmt: skip
-            return ~(diff <= bound.double())
-        return ~(diff <= self.atol + self.rtol * rhs.double().abs())
+            return bound.double()
+        return self.atol + self.rtol * rhs.double().abs()
 
     def check(self, lhs: torch.Tensor, rhs: torch.Tensor, bound: torch.Tensor | None = None) -> Comparison:
         bad = self.mismatched(lhs, rhs, bound)

@@ -39,6 +39,7 @@ from rlsweep.layouts import filler_rows_needed, plan_cells
 from rlsweep.manifest import RunIdentity
 from rlsweep.model import build_lm_head, check_weight_file, config_fingerprint
 from rlsweep.records import checks_table, tokens_table
+from rlsweep.sensitivity import refuse_blind_inputs
 from rlsweep.spec import EXECUTION_DTYPES, ProfileSpec, RunSpec
 from rlsweep.tables import (
     CHECKS_TABLE,
@@ -48,7 +49,7 @@ from rlsweep.tables import (
     publish_tables,
     with_metadata,
 )
-from rlsweep.verdicts import Verdict
+from rlsweep.verdicts import Judgment, Tensor, Verdict
 from rlsweep.workload import build_workload, workload_shape
 
 log = logging.getLogger(__name__)
@@ -234,6 +235,9 @@ def compute(
     )
     computed.bound = {"logp": bound.logp, "lse": bound.lse}
     standard = Standard.of(spec, computed.bound)
+    judged = [Judgment.FORWARD_ACCURACY] + [Judgment.FORWARD_INVARIANCE] * (len(cells) > 1)
+    logp_rows = [standard.row(judgment, Tensor.LOGP) for judgment in judged]
+    refuse_blind_inputs(spec, workload, bound.spread, computed.reference.logp, logp_rows, bound.logp)
     if spec.grad:
         computed.upstream = workload.upstream()
         g = computed.upstream.to(workload.hidden.device)
