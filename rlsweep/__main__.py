@@ -5,13 +5,34 @@ Exit codes are ``rlsweep.exitcodes.ExitCode`` (docs/sweeps.md). Hydra is told to
 sweep gate runs after Hydra returns, where no exception can be turned into a warning.
 """
 
+# ruff: noqa: E402 -- the signal handlers go in before the imports below, which take seconds (torch, Hydra)
 from __future__ import annotations
+
+from rlsweep.exitcodes import (
+    ErrorLine,
+    ExitCode,
+    describe_exit,
+    exit_site,
+    guarded,
+    one_line,
+    one_line_usage,
+    run_command,
+    stop_at_once,
+)
+
+PROG = "rlsweep"
+# python -m rlsweep runs this file as __main__, the console script imports it as rlsweep.__main__: either way this
+# process is the command, and a signal from here on ends it with one line. A process that re-imports its parent's
+# main module (a launcher's worker does, as __mp_main__) keeps its own handlers.
+if __name__ in ("__main__", "rlsweep.__main__"):
+    stop_at_once(PROG)
 
 import os
 import sys
 from pathlib import Path
 
 import hydra
+from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
@@ -21,13 +42,11 @@ from rlsweep.callbacks import SESSION, require_callback
 from rlsweep.check import gate_directory
 from rlsweep.config import register_configs, run_spec, saved_config_sha256
 from rlsweep.errors import ConfigError, RlsweepError
-from rlsweep.exitcodes import ExitCode, guarded, one_line, stop_on_sigterm
 from rlsweep.job import run_job
 from rlsweep.manifest import HYDRA_CONFIG
 from rlsweep.run import choose_triton_mode
+from rlsweep.spec import backend_exit, check_tables_dir
 from rlsweep.tables import RunLocation
-
-PROG = "rlsweep"
 
 register_configs()
 choose_triton_mode()
@@ -41,8 +60,7 @@ class JobFailed(RlsweepError):
 def app(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.RUN:  # its error is this process's one line, not Hydra's "Error executing job"
-        location = RunLocation.single(Path(cfg.tables_dir or hydra_cfg.runtime.output_dir))
-        SESSION.code = guarded(PROG, lambda: run_at(cfg, location, resume=False, standalone=True))
+        SESSION.code = guarded(PROG, lambda: run_at(cfg, single_run_location(cfg), resume=False, standalone=True))
         return
     SESSION.multirun = True
     try:
@@ -59,6 +77,15 @@ def app(cfg: DictConfig) -> None:
         raise JobFailed(SESSION.job_error) from err
 
 
+def single_run_location(cfg: DictConfig) -> RunLocation:
+    """A single run's dataset root: ``tables_dir`` where set (an empty one is refused: as a path it is '.'), else the
+    Hydra run dir."""
+    if cfg.tables_dir is None:
+        return RunLocation.single(Path(HydraConfig.get().runtime.output_dir))
+    check_tables_dir(cfg.tables_dir)
+    return RunLocation.single(Path(cfg.tables_dir))
+
+
 def run_at(cfg: DictConfig, location: RunLocation, *, resume: bool, standalone: bool) -> ExitCode:
     """The run of a composed config at ``location``: its RunSpec is parsed here, at the top, and nowhere else.
 
@@ -71,11 +98,25 @@ def run_at(cfg: DictConfig, location: RunLocation, *, resume: bool, standalone: 
     try:
         return run_job(lambda: run_spec(cfg), location, resume=resume, standalone=standalone, saved_config_sha256=saved)
     except SystemExit as stop:
-        raise RlsweepError(f"the run ended early through sys.exit({stop.code!r}), before its verdicts") from None
+        raise RlsweepError(run_exit(cfg, stop)) from None
+
+
+def run_exit(cfg: DictConfig, stop: SystemExit) -> str:
+    """The error line of a run that a ``sys.exit()`` ended: its profile's backend module's, named as such, or any
+    other code's (a library's), named by its module."""
+    module, site = cfg.profile.get("backend_module"), exit_site(stop)
+    if module and site and site.split(".")[0] == module.split(".")[0]:
+        return backend_exit(cfg.profile.name, module, stop, "the run computed, before its verdicts")
+    return f"the run ended early through {describe_exit(stop)}, before its verdicts"
 
 
 def command() -> ExitCode:
+    one_line_usage(get_args_parser()).parse_args(sys.argv[1:])  # Hydra's own parser would print its usage, exit 2
     app()
+    if SESSION.failed:  # one line each, in the launching process, whichever launcher ran the jobs; no gate
+        for line in SESSION.failed.values():
+            ErrorLine.say(PROG, line)
+        return ExitCode.ERROR
     if SESSION.sweep_dir is not None:
         return gate_directory(SESSION.sweep_dir)
     if SESSION.multirun:  # the sweep's start callback never recorded it: nothing would gate its jobs
@@ -86,8 +127,7 @@ def command() -> ExitCode:
 def main() -> int:
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # read by Hydra when it reports an error: re-raise it to us
     sys.argv[0] = PROG  # usage lines and shell completion name the command, not __main__.py
-    stop_on_sigterm()
-    return int(guarded(PROG, command))
+    return run_command(PROG, command)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import pyarrow as pa
 import torch
 
 import kernels
-from rlsweep.discovery import discover, enclosing_sweep, lexical
+from rlsweep.discovery import discover, enclosing_sweep, lexical, part_of_a_sweep
 from rlsweep.errors import SelectionError, TablesNotFoundError
 from rlsweep.gate import (
     COMPARABLE_COLUMNS,
@@ -35,6 +35,7 @@ from rlsweep.gate import (
     read_sweep_checks,
     sweep_of,
 )
+from rlsweep.listing import list_tree
 from rlsweep.manifest import MANIFEST_FILE, verify_run
 from rlsweep.spec import CANONICAL_CELL
 from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, TOKENS_SCHEMA, TOKENS_TABLE, TableError, read_table
@@ -97,22 +98,40 @@ class IncompleteRunsWarning(UserWarning):
     """Runs or jobs under a loaded path that are missing or incomplete: the frame leaves them out."""
 
 
-def run_dirs(path: str | os.PathLike[str]) -> list[Path]:
-    """Every complete run dir under ``path`` (itself included), in natural order."""
-    root = Path(path)
+def found_runs(root: Path) -> tuple[list[Path], list[str]]:
+    """(every complete run dir under ``root``, in natural order; what the gate would call missing or incomplete there:
+    ``discover``'s lines, a directory that cannot be read first, and where ``root`` is part of a sweep, that the
+    sweep's verdict is not under it)."""
     if not root.is_dir():
         raise TablesNotFoundError(f"{str(root)!r} is not a directory (expected a run dir, a sweep dir or outputs/)")
-    complete, incomplete, _ = discover(root)
+    complete, incomplete, scope = discover(root)
+    incomplete += [part_of_a_sweep(root, scope)] if scope else []
     if not complete:
-        raise TablesNotFoundError(f"no complete rlsweep run ({MANIFEST_FILE} naming its tables) under {str(root)!r}")
-    if incomplete:  # left out, as the gate leaves them; a frame that says nothing of them would read as the whole
+        found = f"; {len(incomplete)} thing(s) missing or incomplete, first: {incomplete[0]}" if incomplete else ""
+        raise TablesNotFoundError(
+            f"no complete rlsweep run ({MANIFEST_FILE} naming its tables) under {str(root)!r}{found}"
+        )
+    return sorted(complete, key=natural_key), incomplete
+
+
+def warn_left_out(root: Path, incomplete: Sequence[str], stacklevel: int) -> None:
+    """Say what a frame leaves out, as the gate leaves it out: a frame that says nothing of it would read as the
+    whole (``stacklevel``: of the ``warnings.warn`` call, so that it points at the loader's caller)."""
+    if incomplete:
         warnings.warn(
             f"{len(incomplete)} thing(s) under {str(root)!r} missing or incomplete, left out of the frame (first: "
             f"{incomplete[0]}); python -m rlsweep.check {root} lists them",
             IncompleteRunsWarning,
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
-    return sorted(complete, key=natural_key)
+
+
+def run_dirs(path: str | os.PathLike[str]) -> list[Path]:
+    """Every complete run dir under ``path`` (itself included), in natural order; warns of what is left out."""
+    root = Path(path)
+    complete, incomplete = found_runs(root)
+    warn_left_out(root, incomplete, stacklevel=4)  # its caller's caller: the user of load_tokens
+    return complete
 
 
 def read_run_table(run_dir: Path, table: str, schema: pa.Schema) -> pd.DataFrame:
@@ -172,16 +191,41 @@ def load_checks(path: str | os.PathLike[str]) -> pd.DataFrame:
     """Every complete run's checks (level "run") and sweep_checks.parquet (level "sweep") under ``path``.
 
     A sweep_checks.parquet in a dir inside a sweep (a job dir checked alone) is not loaded: that gate saw only part
-    of the sweep, so its rows are no verdict of the sweep (a declaration there selects no run of it, say).
+    of the sweep, so its rows are no verdict of the sweep (a declaration there selects no run of it, say). A run of a
+    sweep that no loaded sweep_checks.parquet judged lacks its sweep's verdicts: warned of, as a missing run is.
     """
-    runs = [(d, read_run_table(d, CHECKS_TABLE, CHECKS_SCHEMA)) for d in run_dirs(path)]
-    found = Path(path).rglob(SWEEP_CHECKS_TABLE)
+    root = Path(path)
+    complete, incomplete = found_runs(root)
+    runs = [(d, read_run_table(d, CHECKS_TABLE, CHECKS_SCHEMA)) for d in complete]
+    found = list_tree(root).named(SWEEP_CHECKS_TABLE)
     sweep_tables = sorted((p for p in found if enclosing_sweep(p.parent) is None), key=natural_key)
-    sweeps = [(p.parent, *read_sweep_checks(p)) for p in sweep_tables]
-    frame = checks_frame(runs, sweeps)
+    try:
+        read = [(p.parent, *read_sweep_checks(p)) for p in sweep_tables]
+        frame = checks_frame(runs, [(sweep_dir, table, row_dirs) for sweep_dir, table, row_dirs, _ in read])
+    except TableError as err:  # a sweep table whose runs are not all complete now: say why they are not
+        if not incomplete:
+            raise
+        first = f"first of what is missing or incomplete under {str(root)!r}: {incomplete[0]}"
+        raise TableError(f"{err} ({first})") from err
+    judged = {lexical(run_dir) for *_, runs_judged in read for run_dir in runs_judged}
+    warn_left_out(root, incomplete + without_sweep_verdicts(root, complete, judged), stacklevel=3)
     if not len(frame):
         raise TablesNotFoundError(f"the {CHECKS_TABLE} tables under {str(path)!r} hold no rows")
     return frame
+
+
+def without_sweep_verdicts(root: Path, complete: Sequence[Path], judged: set[Path]) -> list[str]:
+    """The line for the runs of a sweep that no loaded sweep_checks.parquet judged (``judged``: the run dirs those
+    tables judged): their sweep's cross-run verdicts are missing (its gate has not run since the sweep started again,
+    or its table is gone), as ``python -m rlsweep.check`` on the sweep would find."""
+    missing = [run_dir for run_dir in complete if lexical(run_dir) not in judged and enclosing_sweep(run_dir)]
+    if not missing:
+        return []
+    return [
+        f"{missing[0]}: its sweep's cross-run verdicts are missing (no {SWEEP_CHECKS_TABLE} under {str(root)!r} judged "
+        f"this run{f' or {len(missing) - 1} more' if len(missing) > 1 else ''}): python -m rlsweep.check "
+        f"{enclosing_sweep(missing[0])} judges the sweep and writes them"
+    ]
 
 
 def summary(checks: pd.DataFrame, by: Sequence[str] = SUMMARY_GROUPS) -> pd.DataFrame:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +18,18 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from rlsweep.config import job_list, run_spec, sweep_record
 from rlsweep.discovery import refuse_run_over_sweep, refuse_sweep_over_run, write_job_list
 from rlsweep.errors import ConfigError
 from rlsweep.exitcodes import ExitCode, one_line
 from rlsweep.gate import remove_sweep_outputs
+from rlsweep.listing import list_tree
 from rlsweep.locks import acquire
 from rlsweep.manifest import HYDRA_CONFIG, MANIFEST_FILE, canonical_sha256, verify_run
 from rlsweep.run import preflight
-from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, read_table, unwritable_reason
+from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, RUN_TABLES, read_table, unwritable_reason
 from rlsweep.verdicts import as_expected
 
 CALLBACK_TARGET = "rlsweep.callbacks.RlsweepCallback"
@@ -43,9 +44,21 @@ class Session:
     # A multirun ran in this process (a job of it here, or its end under any launcher): it must have been recorded.
     multirun: bool = False
     job_error: str | None = None  # the error of the sweep job that last failed in this process, in one line
+    failed: dict[tuple[str, ...], str] = field(default_factory=dict)  # a failed job's overrides -> its error line
 
 
 SESSION = Session()
+
+
+class FailedJob(JobReturn):
+    """A failed job's return, read by the sweeper in the launching process (``on_job_end`` makes it one, wherever the
+    job ran): Hydra's would write "Error executing job ..." and raise, so a sweep said one failure in two lines and
+    the others not at all. Its error is recorded instead: one line each, which ``rlsweep.__main__`` ends with."""
+
+    @property
+    def return_value(self) -> Any:
+        SESSION.failed.setdefault(tuple(self.overrides or ()), one_line(self._return_value))
+        return None
 
 
 def check_output_dir(directory: str, key: str) -> None:
@@ -80,6 +93,26 @@ def check_hydra_record(config: DictConfig) -> None:
         )
 
 
+def run_in_tables_dir(config: DictConfig) -> None:
+    """``tables_dir=D`` makes D the run's dir: Hydra's record of the run and its log go there too, beside the tables
+    and the manifest that must match that record. In another dir the record, without a manifest, would read as a
+    run that never finished, and D's tables would go unchecked against the config that made them.
+
+    Hydra makes the run's dir from this same config after the callback (``hydra.core.utils.run_job``). A
+    ``hydra.run.dir`` given as well, naming another dir, is refused: the run has one dir.
+    """
+    tables_dir = os.path.abspath(config.tables_dir)
+    for override in config.hydra.overrides.hydra:
+        key, _, value = str(override).partition("=")
+        if key.lstrip("+~") == "hydra.run.dir" and os.path.abspath(config.hydra.run.dir) != tables_dir:
+            raise ConfigError(
+                f"tables_dir={config.tables_dir!r} and hydra.run.dir={value!r} name two dirs for one run: with "
+                "tables_dir the run's dir is tables_dir (its tables, manifest, log and Hydra's record); give one"
+            )
+    with read_write(config.hydra), open_dict(config.hydra):
+        config.hydra.run.dir = config.tables_dir
+
+
 def fatal(step: Callable[[], None]) -> None:
     """Run a callback step; any failure is one line and exit 1, which Hydra cannot swallow."""
     try:
@@ -99,7 +132,7 @@ def require_callback() -> None:
 def red_so_far(sweep_dir: Path) -> tuple[int, int]:
     """(complete runs, verdicts not as expected) among the runs already complete under ``sweep_dir``."""
     complete, red = 0, 0
-    for job_dir in sorted({path.parent for path in sweep_dir.rglob(MANIFEST_FILE)}):
+    for job_dir in sorted({path.parent for path in list_tree(sweep_dir).named(MANIFEST_FILE)}):
         state = verify_run(job_dir)
         if state.complete:
             checks = read_table(state.files[CHECKS_TABLE], CHECKS_SCHEMA).to_pandas()
@@ -122,7 +155,17 @@ def job_subdir(job_config: DictConfig, num: int) -> str | None:
         raise ConfigError(
             f"hydra.sweep.subdir={subdir!r} is not a dir inside the sweep dir: the gate finds a job's run there only"
         )
+    if normal.split(os.sep)[0] in RUN_TABLES:
+        raise ConfigError(
+            f"hydra.sweep.subdir={subdir!r} lies inside the sweep's {normal.split(os.sep)[0]}/ dataset folder: a "
+            "dataset reader would load the job's files as table rows; keep job dirs outside tokens/ and checks/"
+        )
     return normal
+
+
+def nested(one: str | None, other: str) -> bool:
+    """Whether two job dirs in a sweep (``job_subdir``) lie one inside the other."""
+    return one is not None and (one.startswith(other + os.sep) or other.startswith(one + os.sep))
 
 
 def preflight_jobs(config: DictConfig, jobs: list[tuple[str, ...]]) -> None:
@@ -143,11 +186,21 @@ def preflight_jobs(config: DictConfig, jobs: list[tuple[str, ...]]) -> None:
                     f"its hydra.sweep.dir is {job_config.hydra.sweep.dir!r}, not the sweep's "
                     f"{config.hydra.sweep.dir!r}: hydra.sweep.dir may not depend on a swept value"
                 )
+            if job_config.get("tables_dir") is not None:
+                raise ConfigError(
+                    f"tables_dir={job_config.tables_dir!r} in a sweep: the jobs write into the sweep's datasets"
+                )
             subdir = job_subdir(job_config, num)
             if subdir is not None and subdirs.setdefault(subdir, num) != num:
                 raise ConfigError(
                     f"its run dir, hydra.sweep.subdir={subdir!r}, is job #{subdirs[subdir]}'s too: each job needs a "
                     "dir of its own (the default is its number)"
+                )
+            outer = next((other for other in subdirs if other != subdir and nested(subdir, other)), None)
+            if subdir is not None and outer is not None:
+                raise ConfigError(
+                    f"its run dir, hydra.sweep.subdir={subdir!r}, and job #{subdirs[outer]}'s ({outer!r}) lie one "
+                    "inside the other: each job needs a dir of its own, beside the others (the default is its number)"
                 )
             spec = run_spec(job_config)  # its hydra node: its choices
             preflight(spec)
@@ -169,11 +222,14 @@ class RlsweepCallback(Callback):
         def start() -> None:
             check_start_dir(config)
             check_hydra_record(config)
-            check_output_dir(config.hydra.run.dir, "hydra.run.dir")
-            # Before Hydra writes its record of the run into the dir: a sweep's dir is left as it was.
-            refuse_run_over_sweep(Path(config.hydra.run.dir), "hydra.run.dir")
-            if config.get("tables_dir") is not None:
-                refuse_run_over_sweep(Path(config.tables_dir), "tables_dir")
+            key = "hydra.run.dir" if config.get("tables_dir") is None else "tables_dir"
+            directory = OmegaConf.select(config, key)
+            check_output_dir(directory, key)
+            # Before Hydra writes its record of the run into the dir: a sweep's dir, or another run's, is left as it
+            # was.
+            refuse_run_over_sweep(Path(directory), key)
+            if key == "tables_dir":
+                run_in_tables_dir(config)
             # Held until this process ends, from before Hydra writes its record of the run: a second writer stops
             # here, leaving the record of the run that holds the dir as it was.
             acquire(Path(config.hydra.run.dir))
@@ -213,6 +269,7 @@ class RlsweepCallback(Callback):
         if job_return.status == JobStatus.FAILED:  # its return_value would print Hydra's own error line once more
             print(f"[rlsweep sweep] FAILED: {SESSION.job_error or f'job #{job.num} failed before its run'}", flush=True)
             SESSION.job_error = None
+            job_return.__class__ = FailedJob
         try:
             runs, red = red_so_far(Path(config.hydra.sweep.dir))
         except Exception as err:

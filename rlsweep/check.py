@@ -1,22 +1,30 @@
 """``python -m rlsweep.check DIR``: the sweep gate over any directory of rlsweep tables.
 
 Writes ``sweep_checks.parquet`` and ``summary.md`` into DIR (holding DIR's lock while it does) and prints a
-short table of verdicts. Exit codes: ``rlsweep.exitcodes.ExitCode`` (docs/sweeps.md).
+short table of verdicts; a DIR it cannot write (an archived, read-only run or sweep) is judged all the same, its
+outputs not written, which one line says. Exit codes: ``rlsweep.exitcodes.ExitCode`` (docs/sweeps.md).
 """
 
+# ruff: noqa: E402 -- the signal handlers go in before the imports below, which take seconds (pandas, torch)
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
 
-from rlsweep.errors import TablesNotFoundError
-from rlsweep.exitcodes import ExitCode, guarded
-from rlsweep.gate import GateResult, run_gate, verdict_counts, write_sweep_outputs
-from rlsweep.locks import locked
-from rlsweep.verdicts import expectation
+from rlsweep.exitcodes import ExitCode, one_line_usage, run_command, stop_at_once
 
 PROG = "python -m rlsweep.check"
+if __name__ == "__main__":
+    stop_at_once(PROG)
+
+from rlsweep.discovery import holder
+from rlsweep.errors import TablesNotFoundError
+from rlsweep.gate import SUMMARY_FILE, SWEEP_CHECKS_TABLE, GateResult, run_gate, verdict_counts, write_sweep_outputs
+from rlsweep.locks import locked
+from rlsweep.tables import table_folder, unwritable_reason
+from rlsweep.verdicts import expectation
+
 MAX_LISTED = 10
 
 
@@ -61,10 +69,27 @@ def add_directory_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def gate_directory(root: str | Path) -> ExitCode:
-    """Run the gate over ``root``, write its tables there, print the summary; return the exit code."""
+    """Run the gate over ``root``, write its tables there, print the summary; return the exit code.
+
+    A ``root`` that cannot be written is judged without its lock (no writer can write there either) and without
+    writing: a read-only dir never hides its verdict, and a line on stderr says its outputs were not written.
+    """
     root = Path(root)
     if not root.is_dir():
         raise TablesNotFoundError(f"{str(root)!r} is not a directory of rlsweep tables")
+    owner = holder(root)
+    if owner is not None and table_folder(root, owner) is not None:  # its lock file would go into a dataset
+        raise TablesNotFoundError(
+            f"{str(root)!r} is a tables folder of {str(owner)!r}, not a run or sweep dir: python -m rlsweep.check "
+            f"{owner} judges it"
+        )
+    read_only = unwritable_reason(root)
+    if read_only is not None:
+        result = run_gate(root)
+        print(console_summary(result))
+        print(f"{PROG}: {read_only} (read-only), so {SWEEP_CHECKS_TABLE} and {SUMMARY_FILE} were not written there "
+              "(any it holds are an earlier gate's); the verdict is the one above", file=sys.stderr)  # fmt: skip
+        return result.exit_code
     with locked(root):
         result = run_gate(root)
         write_sweep_outputs(root, result)
@@ -74,12 +99,12 @@ def gate_directory(root: str | Path) -> ExitCode:
 
 def main(argv: list[str] | None = None) -> int:
     def command() -> ExitCode:
-        parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+        parser = one_line_usage(argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0]))
         add_directory_argument(parser)
         args = parser.parse_args(argv)
         return gate_directory(args.directory)
 
-    return int(guarded(PROG, command))
+    return run_command(PROG, command)
 
 
 if __name__ == "__main__":

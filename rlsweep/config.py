@@ -7,20 +7,26 @@ Hydra composes; ``rlsweep.spec`` checks their values.
 
 from __future__ import annotations
 
+import functools
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra.core.config_loader import ConfigLoader
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from rlsweep import CONF_DIR
 from rlsweep.discovery import check_distinct_jobs
 from rlsweep.errors import ConfigError, RlsweepError
 from rlsweep.manifest import config_text_sha256
 from rlsweep.spec import RunSpec, parse_run_spec
+from rlsweep.unread import ABSENT, CONDITIONAL_KEYS, refuse_unread, value_at
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 
@@ -142,6 +148,10 @@ class RunConfig:
     tables_dir: str | None = None  # default: the Hydra run's output dir
 
 
+# The config groups whose options are files of keys (conf/<group>/<option>.yaml), each with its schema.
+GROUPS = {"model": ModelConfig, "profile": ProfileConfig, "workload": WorkloadConfig, "layout": LayoutConfig}
+
+
 def check_complete(cfg: DictConfig) -> None:
     """Every mandatory value (``???``, e.g. model=replay's sizes) is set; all unset keys are named at once."""
     missing = sorted(OmegaConf.missing_keys(cfg))
@@ -160,15 +170,70 @@ def run_spec(cfg: DictConfig) -> RunSpec:
     contract and profile files composed, whose names the contract's version and the profile's name must be.
     """
     if "hydra" in cfg:
-        choices = cfg.hydra.runtime.choices
+        hydra_cfg = cfg.hydra
         cfg = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
     elif HydraConfig.initialized():
-        choices = HydraConfig.get().runtime.choices
+        hydra_cfg = HydraConfig.get()
     else:
         raise RlsweepError("run_spec needs a config as Hydra composed it: with its hydra node, or inside the app")
+    choices = hydra_cfg.runtime.choices
     check_complete(cfg)
     config = OmegaConf.to_container(cfg, resolve=True)
-    return parse_run_spec(config, contract_file=choices.contract, profile_file=choices.profile)
+    spec = parse_run_spec(config, contract_file=choices.contract, profile_file=choices.profile)
+    refuse_unread(config, user_set_keys(config, list(hydra_cfg.overrides.task), dict(choices)))
+    return spec
+
+
+def override_key(override: str) -> str | None:
+    """The key a command-line override sets (``+model.weights.seed=3`` sets ``model.weights.seed``); None for a
+    deletion (``~key``), which sets nothing."""
+    key = override.split("=", 1)[0].strip()
+    return None if key.startswith("~") else key.lstrip("+").split("@", 1)[0]
+
+
+@functools.cache
+def shipped_file(path: Path) -> dict[str, Any]:
+    """A shipped config file's keys (its defaults list and hydra node aside); {} where there is no such file."""
+    if not path.is_file():
+        return {}
+    document = yaml.safe_load(path.read_text()) or {}
+    return {key: value for key, value in document.items() if key not in ("defaults", "hydra")}
+
+
+@functools.cache
+def schema_defaults() -> dict[str, Any]:
+    """Every key's value as the schema gives it (``???`` where it gives none), the groups' included."""
+    defaults = OmegaConf.to_container(OmegaConf.structured(RunConfig))
+    return defaults | {group: OmegaConf.to_container(OmegaConf.structured(schema)) for group, schema in GROUPS.items()}
+
+
+def shipped_value(key: str, choices: Mapping[str, Any]) -> Any:
+    """``key``'s value as the shipped configs give it for the chosen options: the schema's, then the chosen option file
+    of its group in conf/, then conf/config.yaml, then the chosen shipped sweep (``@package _global_``)."""
+    group = key.split(".")[0]
+    layers = [schema_defaults()]
+    if group in GROUPS and choices.get(group):
+        layers.append({group: shipped_file(CONF_DIR / group / f"{choices[group]}.yaml")})
+    layers.append(shipped_file(CONF_DIR / "config.yaml"))
+    if choices.get("sweep"):
+        layers.append(shipped_file(CONF_DIR / "sweep" / f"{choices['sweep']}.yaml"))
+    values = [value for value in (value_at(layer, key) for layer in layers) if value is not ABSENT]
+    return values[-1]
+
+
+def user_set_keys(config: Mapping[str, Any], overrides: list[str], choices: Mapping[str, Any]) -> frozenset[str]:
+    """The keys some choice may leave unread (``rlsweep.unread.CONDITIONAL_KEYS``) that the user set: named by a
+    command-line override (a sweep job's swept value is one), or composed to a value other than the shipped configs
+    give it (the user's own config file). Set to nothing (null, [], {}: ``layout.needles=[]``), a key is unset."""
+    named = {override_key(override) for override in overrides}
+    keys = set()
+    for key in CONDITIONAL_KEYS:
+        value = value_at(config, key)
+        if value is ABSENT or value in (None, [], {}):
+            continue
+        if key in named or value != shipped_value(key, choices):
+            keys.add(key)
+    return frozenset(keys)
 
 
 def saved_config_sha256(cfg: DictConfig) -> str:

@@ -11,15 +11,25 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from rlsweep.errors import ConfigError, OutputDirError
+from rlsweep.errors import ConfigError, OutputDirError, UnreadablePathError
+from rlsweep.listing import Listing, list_tree, os_reason, readable_text
 from rlsweep.manifest import HYDRA_CONFIG, MANIFEST_FILE, canonical_sha256, read_manifest, table_files, verify_run
-from rlsweep.tables import RUN_TABLES, TableError, dataset_entries, hidden, is_partition, write_tables
+from rlsweep.tables import (
+    PARTITION_NAME,
+    RUN_TABLES,
+    TableError,
+    dataset_entries,
+    hidden,
+    is_partition,
+    write_tables,
+)
 
 MULTIRUN_FILE = "multirun.yaml"  # Hydra's record of a sweep: its sweeper, parameters and overrides
 JOBS_FILE = "jobs.json"  # every job's overrides, written at the sweep's start (rlsweep.callbacks)
@@ -60,7 +70,7 @@ def hydra_sweep_record(sweep_dir: Path) -> dict[str, Any]:
     """What Hydra's ``multirun.yaml`` says the sweep's jobs are expanded from: the sweeper's params, the overrides."""
     path = sweep_dir / MULTIRUN_FILE
     try:
-        hydra = yaml.safe_load(path.read_text())["hydra"]
+        hydra = yaml.safe_load(readable_text(path))["hydra"]
         return {"params": hydra["sweeper"]["params"], "task": hydra["overrides"]["task"]}
     except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError) as err:
         raise TableError(
@@ -73,11 +83,12 @@ def sweep_jobs(sweep_dir: Path) -> list[tuple[str, ...]]:
     """Every job's overrides, in job order, as the sweep recorded them at its start (``write_job_list``).
 
     The list must be the one rlsweep wrote (its sha256), for the sweep Hydra recorded beside it (``multirun.yaml``),
-    each job once: a list edited by hand, or copied from another sweep, would judge a sweep against other jobs.
+    each job once: a list edited by hand, or copied from another sweep, would judge a sweep against other jobs. One
+    that exists but cannot be read (its permissions) is an ``UnreadablePathError``: the sweep is INCOMPLETE.
     """
     path = sweep_dir / JOBS_FILE
     try:
-        record = json.loads(path.read_text())
+        record = json.loads(readable_text(path))
         if record.get("format") != JOBS_FORMAT or not all(
             isinstance(job, list) and all(isinstance(o, str) for o in job) for job in record["jobs"]
         ):
@@ -95,6 +106,8 @@ def sweep_jobs(sweep_dir: Path) -> list[tuple[str, ...]]:
                 f"the sweep {json.dumps(recorded, sort_keys=True)}"
             )
         check_distinct_jobs(jobs, "its jobs")
+    except UnreadablePathError:
+        raise
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise TableError(
             f"{str(path)!r} cannot be read as the sweep's job list ({' '.join(str(err).split())}); rlsweep writes "
@@ -104,11 +117,11 @@ def sweep_jobs(sweep_dir: Path) -> list[tuple[str, ...]]:
 
 
 def job_overrides(run_dir: Path) -> tuple[str, ...] | None:
+    """The overrides Hydra recorded for a job's run, or None where it recorded none readable; a record that exists but
+    cannot be read is an ``UnreadablePathError``: which job the dir is of is unknown, not "none"."""
     path = run_dir / JOB_OVERRIDES
-    if not path.is_file():
-        return None
     try:
-        overrides = yaml.safe_load(path.read_text())
+        overrides = yaml.safe_load(readable_text(path))
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return None
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
@@ -116,16 +129,27 @@ def job_overrides(run_dir: Path) -> tuple[str, ...] | None:
     return tuple(overrides)
 
 
+def present(path: Path) -> bool:
+    """Whether something is at ``path`` (a link too); one that cannot be looked at counts: it may be there."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True
+    return True
+
+
 def sweep_marks(directory: Path) -> list[Path]:
     """What shows that ``directory`` holds a sweep: Hydra's multirun.yaml, the job list, ``job=<n>`` partitions."""
-    marks = [directory / name for name in (MULTIRUN_FILE, JOBS_FILE) if (directory / name).exists()]
+    marks = [directory / name for name in (MULTIRUN_FILE, JOBS_FILE) if present(directory / name)]
     return marks + [entry for entry in dataset_entries(directory) if is_partition(entry)]
 
 
 def single_run_marks(directory: Path) -> list[Path]:
     """What shows that ``directory`` holds a single run: its manifest, Hydra's record of a run, tables outside a
-    partition."""
-    marks = [directory / name for name in (MANIFEST_FILE, HYDRA_CONFIG) if (directory / name).exists()]
+    partition (a dataset folder that cannot be listed among them: it may hold anything)."""
+    marks = [directory / name for name in (MANIFEST_FILE, HYDRA_CONFIG) if present(directory / name)]
     return marks + [entry for entry in dataset_entries(directory) if not is_partition(entry)]
 
 
@@ -140,7 +164,8 @@ def named_dir(directory: Path, key: str | None) -> str:
 
 def refuse_sweep_over_run(sweep_dir: Path) -> None:
     """A sweep never starts in a dir that holds a single run: the gate would take that run for one of its jobs; nor in
-    a dir inside another sweep: that sweep's gate would judge it with its own jobs."""
+    a dir inside another sweep: that sweep's gate would judge it with its own jobs; nor inside a run's dir
+    (``refuse_inside_a_run``)."""
     marks = single_run_marks(sweep_dir)
     if marks:
         raise OutputDirError(
@@ -155,11 +180,13 @@ def refuse_sweep_over_run(sweep_dir: Path) -> None:
             f"({listed(sweep_marks(outer), outer)}), whose gate would judge this sweep's runs with its own jobs: "
             "choose another hydra.sweep.dir (a new one, or a sweep's to resume it)"
         )
+    refuse_inside_a_run(sweep_dir, "hydra.sweep.dir")
 
 
 def refuse_run_over_sweep(run_dir: Path, key: str | None = None) -> None:
     """A single run never writes into a sweep's dir: it would replace the datasets that hold the sweep's partitions;
-    nor into a dir inside one (a job's dir, a dataset folder): it would replace a job's run or be taken for one."""
+    nor into a dir inside one (a job's dir, a dataset folder): it would replace a job's run or be taken for one; nor
+    inside another run's dir (``refuse_inside_a_run``). Its own dir may hold a run: a rerun replaces it."""
     marks = sweep_marks(run_dir)
     if marks:
         raise OutputDirError(
@@ -174,36 +201,82 @@ def refuse_run_over_sweep(run_dir: Path, key: str | None = None) -> None:
             "single run there would replace a job's run or be judged as one of the sweep's: write the run elsewhere "
             "(hydra.run.dir=..., tables_dir=...), or run the sweep again with --multirun to redo its jobs"
         )
+    refuse_inside_a_run(run_dir, key)
 
 
-def candidate_dirs(root: Path) -> set[Path]:
+def refuse_inside_a_run(directory: Path, key: str | None) -> None:
+    """Nothing is written inside another run's dir (``run_around``): in its tokens/ or checks/ folder a dataset reader
+    would load the files as that run's rows, and anywhere under it they would be judged as part of its dir."""
+    outer = run_around(directory)
+    if outer is not None:
+        raise OutputDirError(
+            f"{named_dir(directory, key)} lies inside the run dir {str(outer)!r} "
+            f"({listed(single_run_marks(outer), outer)}), whose files it would break or be judged with: write "
+            "elsewhere (a dir of its own outside every run's dir)"
+        )
+
+
+def run_around(directory: Path) -> Path | None:
+    """The nearest dir above ``directory`` (by its name, then through links) that holds a single run, or None."""
+    for path in (lexical(directory), directory.resolve()):
+        outer = next((parent for parent in path.parents if single_run_marks(parent)), None)
+        if outer is not None:
+            return outer
+    return None
+
+
+def holder(directory: Path) -> Path | None:
+    """The nearest dir at or above ``directory`` (resolved) that holds a single run or a sweep, or None."""
+    path = directory.resolve()
+    return next((d for d in (path, *path.parents) if single_run_marks(d) or sweep_marks(d)), None)
+
+
+def candidate_dirs(listing: Listing) -> set[Path]:
     """Directories that hold, or were meant to hold, a run: a manifest or Hydra's job record."""
-    found = {path.parent for path in root.rglob(MANIFEST_FILE)}
-    return found | {path.parent.parent for path in root.rglob(str(HYDRA_CONFIG))}
+    found = {path.parent for path in listing.named(MANIFEST_FILE)}
+    records = listing.named(HYDRA_CONFIG.name)
+    return found | {path.parent.parent for path in records if path.parent.name == HYDRA_CONFIG.parent.name}
 
 
-def visible_tables(root: Path) -> set[Path]:
-    """Every file (or link) a dataset reader would load from the tokens/ and checks/ folders under ``root``, whatever
-    its name, hidden names aside; as absolute paths, ``..`` resolved by name (links stay links)."""
+def visible_tables(listing: Listing) -> set[Path]:
+    """Every file (or link) a dataset reader would load from the tokens/ and checks/ folders under the listed root,
+    whatever its name, hidden names aside; as absolute paths, ``..`` resolved by name (links stay links)."""
     found = set()
-    for name in RUN_TABLES:
-        for folder in root.rglob(name):
-            for path in folder.rglob("*") if folder.is_dir() and not folder.is_symlink() else [folder]:
-                if (path.is_file() or path.is_symlink()) and not any(hidden(p) for p in path.relative_to(root).parts):
-                    found.add(lexical(path))
+    for path in listing.files():
+        parts = path.relative_to(listing.root).parts
+        if any(part in RUN_TABLES for part in parts) and not any(hidden(part) for part in parts):
+            found.add(lexical(path))
     return found
 
 
-def linked_runs(root: Path) -> list[str]:
-    """Links under ``root`` to a directory outside it that holds runs or sweeps: the search does not follow links (a
-    link to a dir under ``root`` is judged where that dir lies), so the runs there would be left out unseen."""
-    inside = root.resolve()
+def linked_runs(listing: Listing) -> list[str]:
+    """Links under the listed root to a directory outside it that holds runs or sweeps, or that cannot be read: the
+    search does not follow links (a link to a dir under the root is judged where that dir lies), so the runs there
+    would be left out unseen."""
+    inside = listing.root.resolve()
     lines = []
-    for link in sorted(path for path in root.rglob("*") if path.is_symlink() and path.is_dir()):
+    for link in sorted(listing.links):
         target = link.resolve()
-        if not target.is_relative_to(inside) and (candidate_dirs(target) or sweep_dirs(target)):
-            lines.append(f"{link}: a link to {str(target)!r}, which holds rlsweep runs; links are not followed, so "
-                         f"they are not judged here: python -m rlsweep.check {target} judges them")  # fmt: skip
+        try:
+            if not stat.S_ISDIR(os.stat(link).st_mode) or target.is_relative_to(inside):
+                continue
+        except (FileNotFoundError, NotADirectoryError):  # a dangling link: a table file where it lies in a dataset
+            continue
+        except OSError as err:
+            lines.append(f"{link}: a link to {str(target)!r}, which cannot be read: {os_reason(err)}; links are not "
+                         f"followed, so what it holds is not judged here: python -m rlsweep.check {target} "
+                         "judges it")  # fmt: skip
+            continue
+        there = list_tree(target)
+        if candidate_dirs(there) or sweep_dirs(there):
+            held = "which holds rlsweep runs"
+        elif there.unreadable:  # it may hold runs
+            path, reason = next(iter(there.unreadable.items()))
+            held = f"part of which cannot be listed ({path}: {reason}), so it may hold rlsweep runs"
+        else:
+            continue
+        lines.append(f"{link}: a link to {str(target)!r}, {held}; links are not followed, so they are not judged "
+                     f"here: python -m rlsweep.check {target} judges them")  # fmt: skip
     return lines
 
 
@@ -211,7 +284,7 @@ def lexical(path: Path) -> Path:
     return Path(os.path.normpath(path.absolute()))
 
 
-def orphan_tables(root: Path, candidates: set[Path]) -> list[str]:
+def orphan_tables(listing: Listing, candidates: set[Path]) -> list[str]:
     """Table files that no run's manifest names: left by a crash, an older sweep or a copy, never data to trust.
 
     A file in the folder of a table that a manifest names is that run's to report (``verify_run``).
@@ -222,16 +295,18 @@ def orphan_tables(root: Path, candidates: set[Path]) -> list[str]:
         if manifest is not None:
             named |= {lexical(path) for path in table_files(directory, manifest).values()}
     folders = {path.parent for path in named}
-    stray = [path for path in visible_tables(root) - named if path.parent not in folders]
+    stray = [path for path in visible_tables(listing) - named if path.parent not in folders]
     return [f"{path}: no run's {MANIFEST_FILE} names this table file (stale, partial or copied)" for path in
             sorted(stray)]  # fmt: skip
 
 
-def sweep_dirs(root: Path) -> list[Path]:
-    """Every dir under ``root`` (itself included) that shows a sweep by any of its ``sweep_marks``, deepest first:
-    a sweep whose Hydra record or job list is gone is still judged as one, and fails on the missing record."""
-    found = {path.parent for name in (MULTIRUN_FILE, JOBS_FILE) for path in root.rglob(name)}
-    found |= {path.parent.parent for table in RUN_TABLES for path in root.rglob(f"{table}/*") if is_partition(path)}
+def sweep_dirs(listing: Listing) -> list[Path]:
+    """Every dir under the listed root (itself included) that shows a sweep by any of its ``sweep_marks``, deepest
+    first: a sweep whose Hydra record or job list is gone is still judged as one, and fails on the missing record."""
+    found = {path.parent for path in listing.named(MULTIRUN_FILE, JOBS_FILE)}
+    found |= {path.parent.parent for path in listing.entries
+              if path in listing.directories and PARTITION_NAME.fullmatch(path.name)
+              and path.parent.name in RUN_TABLES and path.parent != listing.root}  # fmt: skip
     return sorted(found, key=lambda path: len(path.parts), reverse=True)
 
 
@@ -252,17 +327,20 @@ def discover(root: Path) -> tuple[list[Path], list[str], str]:
 
     Runs inside a sweep dir are judged against that sweep's job list; runs outside any sweep stand alone. Under a
     dir inside a sweep (a job dir), its runs are judged as that sweep's jobs, and the sweep's verdict is not there
-    to give (``part_of_a_sweep``): its other jobs and its cross-run verdicts are not under ``root``.
+    to give (``part_of_a_sweep``): its other jobs and its cross-run verdicts are not under ``root``. A directory
+    under ``root`` that cannot be listed comes first among the missing: what it holds is unknown (``list_tree``).
     """
-    sweeps = sweep_dirs(root)
-    candidates = candidate_dirs(root)
+    listing = list_tree(root)
+    sweeps = sweep_dirs(listing)
+    candidates = candidate_dirs(listing)
     complete: list[Path] = []
-    incomplete: list[str] = []
+    incomplete: list[str] = listing.unreadable_lines()
     claimed: set[Path] = set()
     for sweep_dir in sweeps:
         members = sorted(d for d in candidates - claimed if d.is_relative_to(sweep_dir) and d != sweep_dir)
         claimed.update(members)
-        if marks := single_run_marks(sweep_dir):  # never one of the sweep's runs, nor a run beside it
+        marks = [mark for mark in single_run_marks(sweep_dir) if mark not in listing.unreadable]
+        if marks:  # never one of the sweep's runs, nor a run beside it
             claimed.add(sweep_dir)
             incomplete.append(f"{sweep_dir}: a single run ({listed(marks, sweep_dir)}) in this sweep dir, whose "
                               "datasets it shares with the sweep's jobs; not judged")  # fmt: skip
@@ -283,7 +361,7 @@ def discover(root: Path) -> tuple[list[Path], list[str], str]:
             complete.append(run_dir)
         else:
             incomplete.append(f"{run_dir}: {state.reason}")
-    return complete, incomplete + orphan_tables(root, candidates) + linked_runs(root), scope
+    return complete, incomplete + orphan_tables(listing, candidates) + linked_runs(listing), scope
 
 
 def part_of_a_sweep(root: Path, scope: str) -> str:
@@ -299,14 +377,22 @@ def sweep_runs(sweep_dir: Path, members: Sequence[Path], whole: bool = True) -> 
     (a job without exactly one complete run, a run dir that is no job of the sweep's list), and the jobs found.
 
     ``whole``: ``members`` are all of the sweep's run dirs, so a job without one is missing; else only some are.
+    A job list, or a job's record of its overrides, that cannot be read leaves the runs it would place unjudged.
     """
-    by_job: dict[tuple[str, ...], list[Path]] = {}
-    for member in members:
-        by_job.setdefault(job_key(job_overrides(member) or ()), []).append(member)
     complete: list[Path] = []
     incomplete: list[str] = []
     found: list[str] = []
-    for number, job in enumerate(sweep_jobs(sweep_dir)):
+    try:
+        jobs = sweep_jobs(sweep_dir)
+    except UnreadablePathError as err:
+        return [], [f"{sweep_dir}: {err}, so which runs are its jobs is unknown; none of its runs is judged"], []
+    by_job: dict[tuple[str, ...], list[Path]] = {}
+    for member in members:
+        try:
+            by_job.setdefault(job_key(job_overrides(member) or ()), []).append(member)
+        except UnreadablePathError as err:
+            incomplete.append(f"{member}: {err}, so which job of the sweep {sweep_dir} it ran is unknown; not judged")
+    for number, job in enumerate(jobs):
         dirs = by_job.pop(job_key(job), [])
         name = f"job #{number} ({' '.join(job)})"
         found += [name] if dirs else []

@@ -30,5 +30,13 @@ class TablesNotFoundError(RlsweepError):
     """A path that holds no rlsweep tables (or is not a readable directory)."""
 
 
+class UnreadablePathError(RlsweepError):
+    """A file or directory that exists but cannot be read (its permissions, an I/O error): named, never passed over."""
+
+
 class SelectionError(RlsweepError):
     """An analysis selector that matches no token, or not exactly one token per logical key."""
+
+
+class UsageError(RlsweepError):
+    """A command line that its parser cannot read: an unknown flag, a missing or empty argument."""

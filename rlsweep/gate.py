@@ -485,9 +485,10 @@ def write_sweep_outputs(root: Path, result: GateResult) -> None:
     write_tables(root, {SWEEP_CHECKS_TABLE: table}, files={SUMMARY_FILE: summary_markdown(result)})
 
 
-def read_sweep_checks(path: Path) -> tuple[pd.DataFrame, list[Path]]:
-    """A sweep_checks.parquet and each row's run dir (``write_sweep_outputs``); one that does not record them is not
-    the gate's: it cannot say whose verdicts its rows are. One whose judged runs were run again since is stale."""
+def read_sweep_checks(path: Path) -> tuple[pd.DataFrame, list[Path], list[Path]]:
+    """A sweep_checks.parquet, each row's run dir and every run dir it judged (``write_sweep_outputs``); one that does
+    not record them is not the gate's: it cannot say whose verdicts its rows are. One whose judged runs were run again
+    since is stale."""
     table = read_table(path, CHECKS_SCHEMA)
     try:
         metadata = read_metadata(path)
@@ -509,7 +510,7 @@ def read_sweep_checks(path: Path) -> tuple[pd.DataFrame, list[Path]]:
             f"{' and more' if len(changed) > 4 else ''}): the table is stale; python -m rlsweep.check {path.parent} "
             "writes it again"
         )
-    return table.to_pandas(), [path.parent / directory for directory in run_dirs]
+    return table.to_pandas(), [path.parent / d for d in run_dirs], [path.parent / d for d in sorted(judged)]
 
 
 def remove_sweep_outputs(root: Path) -> None:

@@ -44,7 +44,10 @@ def acquire(directory: Path) -> None:
         return
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except PermissionError:  # a lock file made read-only (an archive): flock needs no write access, naming its holder
+        fd = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -59,8 +62,11 @@ def acquire(directory: Path) -> None:
         "since": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
     }
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(holder).encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+    except OSError:  # opened read-only: the lock holds all the same, unnamed
+        pass
     _held[key] = (fd, 1)
 
 

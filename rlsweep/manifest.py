@@ -13,6 +13,7 @@ import hashlib
 import importlib
 import json
 import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -24,8 +25,10 @@ import yaml
 import kernels
 from rlsweep import CONF_DIR
 from rlsweep.environment import computing_environment, git_commit
-from rlsweep.errors import ConfigError, ReplayInputError, TablesNotFoundError
-from rlsweep.tables import RUN_TABLES, RunLocation, hidden, remove_tables, write_tables
+from rlsweep.errors import ConfigError, ReplayInputError, TablesNotFoundError, UnreadablePathError
+from rlsweep.listing import NOT_THERE, list_tree, readable_text, unreadable
+from rlsweep.tables import RUN_TABLES, RunLocation, hidden, remove_tables, write_tables, writing
+from rlsweep.tensor_files import check_regular_file, refuse_irregular
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = "rlsweep-run-manifest/3"
@@ -51,15 +54,29 @@ def canonical_sha256(value: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def file_sha256(path: str | Path, what: str) -> str:
-    """sha256 of a file's bytes, streamed; ``what`` names the file in the error."""
+def file_sha256(path: str | Path, what: str, key: str | None = None) -> str:
+    """sha256 of a regular file's bytes, streamed; ``what`` (and the config ``key`` that names it) name it in errors.
+
+    Opened without waiting (a FIFO would block until a writer came), then what was opened must be a regular file:
+    a device such as /dev/zero would be read for ever."""
+    where = f"{what} {str(path)!r}" + (f" ({key})" if key else "")
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as err:
+        check_regular_file(path, where)  # says what it is where it is no file at all (a socket)
+        raise ReplayInputError(f"{where} cannot be read: {err.strerror or err}") from err
+    try:
+        refuse_irregular(os.fstat(descriptor).st_mode, path, where)
+    except ReplayInputError:
+        os.close(descriptor)
+        raise
     digest = hashlib.sha256()
     try:
-        with open(path, "rb") as handle:
+        with open(descriptor, "rb") as handle:
             while chunk := handle.read(CHUNK):
                 digest.update(chunk)
     except OSError as err:
-        raise ReplayInputError(f"{what} {str(path)!r} cannot be read: {err.strerror or err}") from err
+        raise ReplayInputError(f"{where} cannot be read: {err.strerror or err}") from err
     return digest.hexdigest()
 
 
@@ -95,11 +112,19 @@ def code_version(backend_module: str | None = None) -> dict[str, Any]:
         if root.is_file():  # a module of its own: the file, by its name
             files, base = [root], root.parent
         else:
-            files, base = sorted(p for p in root.rglob("*") if p.suffix in SOURCE_SUFFIXES and p.is_file()), root
+            listing = list_tree(root)
+            if listing.unreadable:  # a source folder passed over would hash as if its code were not there
+                path, reason = next(iter(listing.unreadable.items()))
+                raise UnreadablePathError(f"the sources of {package} cannot be hashed: {str(path)!r}: {reason}")
+            files, base = sorted(p for p in listing.files() if p.suffix in SOURCE_SUFFIXES and p.is_file()), root
         for path in files:
             digest.update(f"{package}/{path.relative_to(base).as_posix()}\0".encode())
             digest.update(path.read_bytes())
     return {"git_commit": git_commit(), "sources_sha256": digest.hexdigest()}
+
+
+# Each input file by input name: what it is and the config key that names it (as TensorFile describes it).
+INPUT_FILES = {"weights": ("weight file", "model.weights.path"), "replay": ("replay file", "workload.path")}
 
 
 def input_paths(config: Mapping[str, Any]) -> dict[str, str]:
@@ -116,7 +141,7 @@ def input_paths(config: Mapping[str, Any]) -> dict[str, str]:
 
 def input_files(config: Mapping[str, Any]) -> dict[str, str]:
     """sha256 of the files a run reads besides its config (``input_paths``), by input name."""
-    return {name: file_sha256(path, f"{name} file") for name, path in input_paths(config).items()}
+    return {name: file_sha256(path, *INPUT_FILES[name]) for name, path in input_paths(config).items()}
 
 
 @dataclass(frozen=True)
@@ -176,7 +201,8 @@ def write_manifest(location: RunLocation, identity: RunIdentity, tables: Mapping
 
 def invalidate(location: RunLocation) -> None:
     """Before a run writes anything: its old manifest first (so nothing stale reads as complete), then its tables."""
-    (location.run_dir / MANIFEST_FILE).unlink(missing_ok=True)
+    with writing(location.run_dir / MANIFEST_FILE, "removed"):
+        (location.run_dir / MANIFEST_FILE).unlink(missing_ok=True)
     remove_tables(location)
 
 
@@ -207,11 +233,15 @@ class RunState:
 
 def read_manifest(directory: Path) -> tuple[dict[str, Any] | None, str]:
     path = directory / MANIFEST_FILE
-    if not path.is_file():
-        return None, f"no {MANIFEST_FILE} (the run did not finish, or was invalidated by a rerun)"
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        text = readable_text(path)
+    except NOT_THERE:
+        return None, f"no {MANIFEST_FILE} (the run did not finish, or was invalidated by a rerun)"
+    except UnreadablePathError as err:
+        return None, str(err)
+    try:
+        manifest = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
         return None, f"{MANIFEST_FILE} cannot be read: {err}"
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         return None, f"{MANIFEST_FILE} is not an rlsweep run manifest ({MANIFEST_FORMAT})"
@@ -242,8 +272,14 @@ def saved_config_sha256(directory: Path) -> str | None:
 
 
 def unnamed_entries(table: Path) -> list[Path]:
-    """What a dataset reader would also load from the folder of a run's ``table``: every other visible entry."""
-    return sorted(entry for entry in table.parent.iterdir() if entry.name != table.name and not hidden(entry.name))
+    """What a dataset reader would also load from the folder of a run's ``table``: every other visible entry; a folder
+    that cannot be listed is an ``UnreadablePathError`` (what a reader would load with the table is unknown)."""
+    try:
+        with os.scandir(table.parent) as scan:
+            names = [entry.name for entry in scan]
+    except OSError as err:
+        raise unreadable(table.parent, err) from err
+    return sorted(table.parent / name for name in names if name != table.name and not hidden(name))
 
 
 def verify_run(directory: Path) -> RunState:
@@ -257,15 +293,20 @@ def verify_run(directory: Path) -> RunState:
         if name not in files:
             return RunState(directory, manifest, f"{MANIFEST_FILE} does not name its {name} table")
         path = files[name]
-        if not path.is_file():
+        try:
+            if not stat.S_ISREG(os.stat(path).st_mode):
+                raise FileNotFoundError(path)
+        except (FileNotFoundError, NotADirectoryError):
             return RunState(directory, manifest, f"its {name} table {str(path)!r} is missing")
+        except OSError as err:
+            return RunState(directory, manifest, f"its {name} table {unreadable(path, err)}")
         try:
             actual = file_sha256(path, "table")
-        except ReplayInputError as err:
+            others = unnamed_entries(path)
+        except (ReplayInputError, UnreadablePathError) as err:
             return RunState(directory, manifest, str(err))
         if actual != manifest["tables"][name]["sha256"]:
             return RunState(directory, manifest, f"{str(path)!r} is not the table its manifest names (sha256 differs)")
-        others = unnamed_entries(path)
         if others:
             return RunState(
                 directory,
@@ -278,8 +319,8 @@ def verify_run(directory: Path) -> RunState:
     except Exception as err:
         return RunState(directory, manifest, f"{HYDRA_CONFIG} cannot be read: {' '.join(str(err).split())}")
     if beside is None and manifest.get("saved_config_sha256") is not None:
-        return RunState(directory, manifest, f"its manifest names the config saved beside it ({HYDRA_CONFIG}), which is "
-                        "gone: the tables cannot be tied to the config that produced them")  # fmt: skip
+        gone = f"its manifest names the config saved beside it ({HYDRA_CONFIG}), which is gone"
+        return RunState(directory, manifest, f"{gone}: the tables cannot be tied to the config that produced them")
     if beside is not None and beside != manifest.get("saved_config_sha256"):
         return RunState(directory, manifest, f"the tables are not from the config beside them ({HYDRA_CONFIG})")
     return RunState(directory, manifest)

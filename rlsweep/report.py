@@ -6,6 +6,7 @@ PNG plots. The exit code is the gate's (``rlsweep.exitcodes.ExitCode``, docs/swe
 cannot be made is ERROR.
 """
 
+# ruff: noqa: E402 -- the signal handlers go in before the imports below, which take seconds (pandas, torch)
 from __future__ import annotations
 
 import argparse
@@ -17,13 +18,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlsweep.exitcodes import ExitCode, one_line_usage, run_command, stop_at_once
+
+PROG = "python -m rlsweep.report"
+if __name__ == "__main__":
+    stop_at_once(PROG)
+
 import pandas as pd
 
 from rlsweep import analysis, plots
 from rlsweep.check import add_directory_argument, console_summary
-from rlsweep.discovery import enclosing_sweep
+from rlsweep.discovery import holder, sweep_marks
 from rlsweep.errors import OutputDirError, TablesNotFoundError
-from rlsweep.exitcodes import ExitCode, guarded
 from rlsweep.gate import (
     HEATMAP_PNG,
     HISTOGRAM_PNG,
@@ -48,7 +54,6 @@ from rlsweep.tables import (
 )
 from rlsweep.verdicts import REPORTED_ONLY, Judgment, as_expected
 
-PROG = "python -m rlsweep.report"
 PLOTS = (HEATMAP_PNG, HISTOGRAM_PNG)
 RED, RED_EXPECTED_RED, EXPECTED_RED = "RED", "RED (declared red, passed)", "expected red"
 FIRST_DIVERGENCE = "first (sample, pos)"
@@ -371,30 +376,44 @@ def write_report(root: Path, out: Path, result: GateResult) -> list[Path]:
 
 
 def report_dir(out: str | None, directory: Path) -> Path:
-    """Where the report goes: DIRECTORY, or ``--out`` unless it is empty, not a writable directory, or inside one
-    of the tables folders of DIRECTORY, or of the sweep it is part of (a job dir's tables are in its sweep's
-    datasets): its files there would be read as rows of the table and fail the gate."""
+    """Where the report goes: DIRECTORY (which must be writable), or ``--out`` unless it is empty, not a writable
+    directory, inside a tables folder of any run or sweep (its files there would be read as rows of the table and
+    fail the gate), or a run's or sweep's dir other than DIRECTORY's own, or inside one (its files would read as
+    that run's or sweep's report, and a rerun there would remove them)."""
     if out is None:
+        reason = unwritable_reason(directory)
+        if reason:
+            raise OutputDirError(f"DIR cannot hold the report: {reason}; write it elsewhere with --out OTHER_DIR")
         return directory
     if not out.strip():
         raise OutputDirError(f"--out {out!r} is empty: name the directory to write the report into (default: DIR)")
     reason = unwritable_reason(Path(out))
     if reason:
         raise OutputDirError(f"--out {out!r} cannot hold the report: {reason}")
-    tables_root = enclosing_sweep(directory) or directory
-    folder = table_folder(Path(out), tables_root)
+    owner = holder(Path(out))
+    if owner is None:
+        return Path(out)
+    folder = table_folder(Path(out), owner)
     if folder is not None:
         raise OutputDirError(
-            f"--out {out!r} is inside {str(folder)!r}, a tables folder of {str(tables_root)!r}: a dataset reader would "
-            "take the report's files for table rows and the gate would find the sweep incomplete; choose a directory "
-            f"outside its {', '.join(f'{table}/' for table in RUN_TABLES)} and {PARTITION_KEY}=<n> folders"
+            f"--out {out!r} is inside {str(folder)!r}, a tables folder of {str(owner)!r}: a dataset reader would "
+            "take the report's files for table rows and the gate would find the run or sweep incomplete; choose a "
+            f"directory outside its {', '.join(f'{table}/' for table in RUN_TABLES)} and {PARTITION_KEY}=<n> folders"
+        )
+    own = directory.resolve()
+    if owner != own and not own.is_relative_to(owner):
+        kind = "sweep" if sweep_marks(owner) else "run"
+        raise OutputDirError(
+            f"--out {out!r} {'is' if owner == Path(out).resolve() else 'lies inside'} the {kind} dir {str(owner)!r}, "
+            f"which DIR {str(directory)!r} is not part of: the report's files would read as that {kind}'s; choose a "
+            "directory outside every other run and sweep (default: DIR)"
         )
     return Path(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     def command() -> ExitCode:
-        parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+        parser = one_line_usage(argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0]))
         add_directory_argument(parser)
         parser.add_argument("--out", default=None, help="where to write the report (default: DIRECTORY)")
         args = parser.parse_args(argv)
@@ -410,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"all {len(result.unexpected)} verdicts not as expected: 'Red verdicts' in {out / REPORT_MARKDOWN}")
         return result.exit_code
 
-    return int(guarded(PROG, command))
+    return run_command(PROG, command)
 
 
 if __name__ == "__main__":

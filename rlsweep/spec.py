@@ -28,6 +28,7 @@ from rlsweep.contract import (
     reject_unknown,
 )
 from rlsweep.errors import ConfigError
+from rlsweep.exitcodes import exit_site
 from rlsweep.synthetic import check_seed
 from rlsweep.verdicts import DECLARABLE, FORWARD_TENSORS, GRADIENT_TENSORS, Judgment
 
@@ -59,14 +60,15 @@ CANONICAL_CELL = "BN/packed"
 DECODE_CELL = "decode"
 CONFIG_KEY = "config_key"  # a field's metadata: the config key it is parsed from (default its name; None: none)
 NEEDLE = "needle"  # a cell kind that names one cell per layout.needles entry
+CHUNKED_CELLS = ("BN/chunked", "B1/chunked")  # the cell kinds that read layout.chunk_size
 CELL_KINDS = (
     CANONICAL_CELL,
     "BN/pad_right",
     "BN/pad_left",
     "BN/permuted",
-    "BN/chunked",
+    CHUNKED_CELLS[0],
     "B1/full",
-    "B1/chunked",
+    CHUNKED_CELLS[1],
     DECODE_CELL,
     NEEDLE,
 )
@@ -77,14 +79,17 @@ def choice(where: str, value: Any, valid: Sequence[str]) -> None:
         raise ConfigError(f"{where}={value!r} is not one of {', '.join(valid)}")
 
 
-def refuse_unread(where: str, unread: Sequence[tuple[str, Any, Any]], why: str, instead: str = "") -> None:
-    """Keys of ``where`` that its source never reads, as (key, value, unset value), must be left unset: set, they would
-    change nothing, so a file named there would go unread and a sweep over one would judge the same inputs twice."""
-    for key, value, unset in unread:
-        if value != unset:
-            raise ConfigError(
-                f"{where}.{key}={value!r} {why}: leave {where}.{key} unset" + (instead and f", or {instead}")
-            )
+def check_name(key: str, value: Any, valid: str = "a name that is not blank (its option's file name, say)") -> None:
+    """A name key (``model.name``, ``layout.name``, ...) must name something: tables, the gate and declarations know a
+    run's parts by their names, and an empty one (a quoted unset variable) names nothing."""
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{key}={value!r} is blank; valid: {valid}")
+
+
+def check_tables_dir(value: str) -> None:
+    """``tables_dir``, where set, names a directory: an empty one (a quoted unset variable) is never the current one."""
+    if not value.strip():
+        raise ConfigError(f"tables_dir={value!r} is empty: name the run's dataset root, or leave it null (the run dir)")
 
 
 def check_scale(key: str, value: float, low: float, high: float) -> None:
@@ -111,15 +116,10 @@ class WeightSource:
         check_seed(self.seed, "model.weights.seed")
         if self.kind == "synthetic":
             check_scale("model.weights.logit_std", self.logit_std, MIN_LOGIT_STD, MAX_LOGIT_STD)
-            refuse_unread(
-                "model.weights",
-                [("path", self.path, None), ("tensor", self.tensor, WeightSource.tensor)],
-                "applies to weight files only, and model.weights.kind=synthetic reads none (its weight comes from "
-                "model.weights.seed)",
-                "set model.weights.kind=file to test the file",
-            )
         if self.kind == "file" and not self.path:
             raise ConfigError("model.weights.kind=file needs model.weights.path (a local .safetensors file)")
+        if self.kind == "file":
+            check_name("model.weights.tensor", self.tensor, "the head's tensor name in the file (lm_head.weight, say)")
 
 
 @dataclass(frozen=True)
@@ -135,6 +135,7 @@ class ModelSpec:
     weight_sha256: str | None = None  # pin: a different weight hash is a red verdict
 
     def __post_init__(self) -> None:
+        check_name("model.name", self.name)
         # A vocab of one token gives every kernel logp 0: its logp verdicts could not fail.
         for key, least, limit in (("hidden_size", 1, MAX_HIDDEN_SIZE), ("vocab_size", 2, MAX_VOCAB_SIZE)):
             value = getattr(self, key)
@@ -257,30 +258,12 @@ class WorkloadSpec:
     path: str | None = None  # replay: hidden_states, target_ids, seq_lens, optional active_mask
 
     def __post_init__(self) -> None:
+        check_name("workload.name", self.name)
         choice("workload.source", self.source, WORKLOAD_SOURCES)
         if self.source == "replay":
             if not self.path:
                 raise ConfigError("workload=replay needs workload.path (a local .safetensors file)")
-            # The file gives the hidden states and lengths: a synthetic setting here would change nothing.
-            refuse_unread(
-                "workload",
-                [
-                    ("hidden_scale", self.hidden_scale, 1.0),
-                    ("seq_lens", list(self.seq_lens), []),
-                    ("prompt_lens", list(self.prompt_lens), []),
-                    ("sample_scales", list(self.sample_scales), []),
-                    ("probe_samples", list(self.probe_samples), []),
-                ],
-                f"applies to synthetic workloads only; workload {self.name!r} replays {self.path!r}, whose file gives "
-                "them",
-            )
-            return
-        refuse_unread(
-            "workload",
-            [("path", self.path, None)],
-            f"applies to replay workloads only, and workload {self.name!r} is synthetic: it reads no file",
-            "use workload=replay to replay the file",
-        )
+            return  # the file gives the hidden states and lengths (a synthetic key set here: rlsweep.unread)
         self.check_lengths()
         check_scale("workload.hidden_scale", self.hidden_scale, MIN_HIDDEN_SCALE, MAX_HIDDEN_SCALE)
         self.check_sample_scales()
@@ -364,6 +347,7 @@ class LayoutSpec:
     needles: tuple[Needle, ...] = ()
 
     def __post_init__(self) -> None:
+        check_name("layout.name", self.name)
         unknown = [kind for kind in self.cells if kind not in CELL_KINDS]
         if unknown:
             raise ConfigError(f"layout {self.name!r}: unknown cell kinds {unknown}; valid: {', '.join(CELL_KINDS)}")
@@ -430,6 +414,8 @@ class RunSpec:
     config: Mapping[str, Any] = field(default_factory=dict, metadata={CONFIG_KEY: None})  # the resolved config
 
     def __post_init__(self) -> None:
+        if self.tables_dir is not None:
+            check_tables_dir(self.tables_dir)
         choice("tp_mode", self.tp_mode, kernels.TP_MODES)
         check_seed(self.seed, "seed")
         tile, vocab = self.sharding.vocab_tile, self.model.vocab_size
@@ -508,13 +494,15 @@ def parse_run_spec(config: Mapping[str, Any], *, contract_file: str, profile_fil
     its version must be. ``profile_file``: the profile file's (``profile=cpu_bf16``), which its name must be.
     """
     profile = dict(config["profile"])
+    check_name("profile.name", profile.get("name"))
     if profile.get("name") != profile_file:  # tables, the gate and declarations know a profile by its name
         raise ConfigError(
             f"profile.name={profile.get('name')!r} is not its file's name (profile={profile_file}): tables, the gate "
             f"and declarations know a profile by its name, so another profile's would mix the two; name it "
             f"{profile_file!r}"
         )
-    if profile.get("backend_module"):
+    if profile.get("backend_module") is not None:
+        check_name("profile.backend_module", profile["backend_module"], "null, or the module that registers it")
         import_backend(profile["name"], profile["backend_module"])
     tp = config.get("tp", 1)
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -548,8 +536,12 @@ def expected_reds(entries: Sequence[Mapping[str, Any]], where: str) -> tuple[Exp
 
 
 def layout_of(config: Mapping[str, Any]) -> LayoutSpec:
-    """The layout a resolved run config computes (the gate plans a run's verdicts from it, without its backend)."""
-    needles = tuple(build(Needle, n, f"layout.needles[{i}]") for i, n in enumerate(config["layout"]["needles"]))
+    """The layout a resolved run config computes (the gate plans a run's verdicts from it, without its backend).
+
+    Needles of a layout without a needle cell (``layout=full layout.cells=[BN/packed]``) are its shipped default, which
+    those cells make moot: none is computed (set by the user, they are refused: ``rlsweep.unread``)."""
+    entries = config["layout"]["needles"] if NEEDLE in config["layout"].get("cells", ()) else []
+    needles = tuple(build(Needle, n, f"layout.needles[{i}]") for i, n in enumerate(entries))
     return build(LayoutSpec, config["layout"], "layout", needles=needles)
 
 
@@ -582,8 +574,22 @@ def import_backend(profile: str, module: str) -> None:
     """Import the module that registers a profile's backend; any failure is a config error naming it."""
     try:
         importlib.import_module(module)
+    except SystemExit as stop:  # not an Exception: it would end a sweep's checks with "error: 0", or GREEN
+        raise ConfigError(backend_exit(profile, module, stop, "being imported")) from None
     except Exception as err:
         raise ConfigError(
             f"profile {profile!r}: backend_module={module!r} cannot be imported ({type(err).__name__}: {err}); "
             "it must be importable from this Python (on sys.path or PYTHONPATH)"
         ) from err
+
+
+def backend_exit(profile: str, module: str, stop: SystemExit, during: str) -> str:
+    """The error line of a profile's backend module that ended the process (``sys.exit()``) ``during`` its import or
+    the run: the exit's code, even 0, is no verdict, so the run or sweep ends with exit 1 and names the module."""
+    site = exit_site(stop)
+    elsewhere = f" in module {site!r}" if site and site != module else ""
+    return (
+        f"profile {profile!r}: its backend module {module!r} (profile.backend_module) exited, through "
+        f"sys.exit({stop.code!r}){elsewhere}, while {during}; a backend module registers its backend and its kernels "
+        "return or raise: neither may end the process"
+    )

@@ -15,8 +15,10 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -175,24 +177,37 @@ def write_tables(
     renamed: list[Path] = []
     try:
         for name in [*files, *tables]:
-            handle, temporary = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
-            os.close(handle)
-            temporaries[name] = temporary
-            content = files.get(name)
-            if isinstance(content, str):
-                Path(temporary).write_text(content)
-            elif isinstance(content, bytes):
-                Path(temporary).write_bytes(content)
-            else:
-                pq.write_table(tables[name], temporary)
-            os.chmod(temporary, mode)
+            with writing(directory / name):
+                handle, temporary = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+                os.close(handle)
+                temporaries[name] = temporary
+                content = files.get(name)
+                if isinstance(content, str):
+                    Path(temporary).write_text(content)
+                elif isinstance(content, bytes):
+                    Path(temporary).write_bytes(content)
+                else:
+                    pq.write_table(tables[name], temporary)
+                os.chmod(temporary, mode)
         for name in temporaries:
-            os.replace(temporaries[name], directory / name)
+            with writing(directory / name):
+                os.replace(temporaries[name], directory / name)
             renamed.append(directory / name)
     except BaseException:
         for path in [*temporaries.values(), *renamed]:
             Path(path).unlink(missing_ok=True)
         raise
+
+
+@contextmanager
+def writing(path: Path, done: str = "written") -> Iterator[None]:
+    """An OSError while ``path`` is written (a full disk, a read-only file system, a permission) is one line naming
+    ``path`` and the OS's reason, whichever temporary or folder the call was at."""
+    try:
+        yield
+    except OSError as err:
+        reason = err.strerror or " ".join(str(err).split()) or type(err).__name__
+        raise OutputDirError(f"{str(path)!r} cannot be {done}: {reason}") from err
 
 
 def current_umask() -> int:
@@ -208,20 +223,30 @@ def hidden(name: str) -> bool:
 
 def dataset_entries(root: Path) -> list[Path]:
     """What a dataset reader finds first in ``root``'s tokens/ and checks/: a single run's table file, or a sweep's
-    ``job=<n>`` partitions (``is_partition``), or anything else put there (a dataset path that is not a folder too)."""
+    ``job=<n>`` partitions (``is_partition``), or anything else put there (a dataset path that is not a folder too,
+    a folder that cannot be listed: what it holds is unknown)."""
     entries = []
     for table in RUN_TABLES:
         folder = root / table
-        if folder.is_dir() and not folder.is_symlink():
-            entries += sorted(entry for entry in folder.iterdir() if not hidden(entry.name))
-        elif folder.exists() or folder.is_symlink():
+        try:
+            if not stat.S_ISDIR(os.lstat(folder).st_mode):
+                entries.append(folder)
+                continue
+            with os.scandir(folder) as scan:
+                entries += sorted(folder / entry.name for entry in scan if not hidden(entry.name))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError:
             entries.append(folder)
     return entries
 
 
 def is_partition(entry: Path) -> bool:
-    """A sweep job's partition folder: ``job=<n>``, a real folder."""
-    return PARTITION_NAME.fullmatch(entry.name) is not None and entry.is_dir() and not entry.is_symlink()
+    """A sweep job's partition folder: ``job=<n>``, a real folder (one that cannot be looked at is not known to be)."""
+    try:
+        return PARTITION_NAME.fullmatch(entry.name) is not None and stat.S_ISDIR(os.lstat(entry).st_mode)
+    except OSError:
+        return False
 
 
 def table_folder(path: Path, root: Path) -> Path | None:
@@ -250,9 +275,10 @@ def remove_dir(path: Path) -> None:
         return
     if not path.is_dir() or path.is_symlink():
         raise OutputDirError(f"{str(path)!r} should be a table folder but is not a directory")
-    doomed = hidden_sibling(path, "stale")
-    os.replace(path, doomed / path.name)
-    shutil.rmtree(doomed)
+    with writing(path, "removed"):
+        doomed = hidden_sibling(path, "stale")
+        os.replace(path, doomed / path.name)
+        shutil.rmtree(doomed)
 
 
 def remove_tables(location: RunLocation) -> None:
@@ -271,19 +297,17 @@ def publish_tables(location: RunLocation, tables: Mapping[str, pa.Table]) -> dic
     published: list[Path] = []
     try:
         for name, table in tables.items():
-            target = location.table_dir(name)
-            staged[name] = hidden_sibling(target, "staging")
-            pq.write_table(table, staged[name] / PART_FILE)
-            os.chmod(staged[name] / PART_FILE, mode)
-            os.chmod(staged[name], 0o777 & ~current_umask())
+            with writing(location.table_file(name)):
+                staged[name] = hidden_sibling(location.table_dir(name), "staging")
+                pq.write_table(table, staged[name] / PART_FILE)
+                os.chmod(staged[name] / PART_FILE, mode)
+                os.chmod(staged[name], 0o777 & ~current_umask())
         for name, folder in staged.items():
             target = location.table_dir(name)
             remove_dir(target)
-            os.replace(folder, target)
+            with writing(target):
+                os.replace(folder, target)
             published.append(target)
-    except OSError as err:
-        cleanup([*staged.values(), *published])
-        raise OutputDirError(f"tables cannot be written under {str(location.root)!r}: {err.strerror or err}") from err
     except BaseException:
         cleanup([*staged.values(), *published])
         raise

@@ -2,13 +2,15 @@
 tensor is loaded, and the digest of a tensor's bits (``bits_sha256``).
 
 Every failure to read an input is a ``ReplayInputError`` naming the file, the config key that points at it and
-what is wrong: missing, unreadable, truncated or not safetensors at all.
+what is wrong: missing, not a regular file, unreadable, truncated or not safetensors at all.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import os
+import stat
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -70,9 +72,6 @@ class TensorFile:
 
     def headers(self) -> dict[str, TensorHeader]:
         """Each tensor's header; nothing is loaded."""
-        path = Path(self.path)
-        if not path.is_file():  # a directory, say, exists: "does not exist" would send the user looking elsewhere
-            raise ReplayInputError(f"{self.describe()} " + ("is not a file" if path.exists() else "does not exist"))
         with self.opened() as handle:
             return {name: header(handle.get_slice(name)) for name in handle.keys()}
 
@@ -86,7 +85,7 @@ class TensorFile:
         is named with its index: not finite as stored, or finite but past ``dtype``'s range (float32 3.4e38 is inf in
         bfloat16)."""
         cast = stored.to(dtype)
-        finite = torch.isfinite(cast)
+        finite = finite_elements(cast)
         if not bool(finite.all()):
             index = tuple(int(i) for i in (~finite).nonzero()[0])
             value = stored[index].item()
@@ -100,13 +99,50 @@ class TensorFile:
 
     @contextmanager
     def opened(self) -> Iterator[Any]:
-        """``safe_open`` whose errors, at open or at a read, are a ReplayInputError naming the file."""
+        """``safe_open`` of a regular file (``check_regular_file``) whose errors, at open or at a read, are a
+        ReplayInputError naming the file."""
+        check_regular_file(self.path, self.describe())
         try:
             with safe_open(self.path, framework="pt") as handle:
                 yield handle
         except (SafetensorError, OSError) as err:
             reason = " ".join(str(err).split()) or type(err).__name__
             raise ReplayInputError(f"{self.describe()} is not a readable safetensors file: {reason}") from err
+
+
+def file_kind(mode: int) -> str:
+    """What a path whose ``st_mode`` is ``mode`` is, in words: "a regular file", "a FIFO", "a character device", ..."""
+    kinds = [(stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISSOCK, "a socket")]  # fmt: skip
+    return next((kind for test, kind in kinds if test(mode)), f"not a regular file (mode {stat.filemode(mode)})")
+
+
+def refuse_irregular(mode: int, path: str | Path, where: str) -> None:
+    """A ReplayInputError naming ``where``, unless ``mode`` (of ``path``, symlinks followed) is a regular file's."""
+    if not stat.S_ISREG(mode):
+        link = os.path.realpath(path)
+        through = f" (through a link to {link!r})" if os.path.islink(path) else ""
+        raise ReplayInputError(f"{where} is {file_kind(mode)}{through}, not a regular file")
+
+
+def check_regular_file(path: str | Path, where: str) -> None:
+    """``path`` is a regular file, symlinks followed to their final target, before anything opens, reads or hashes it:
+    a FIFO would block the open until some writer came and /dev/zero would be read for ever; ``where`` names the file
+    and the config key that holds it in the error."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise ReplayInputError(f"{where} does not exist") from None
+    except OSError as err:
+        raise ReplayInputError(f"{where} cannot be read: {err.strerror or err}") from err
+    refuse_irregular(mode, path, where)
+
+
+def finite_elements(tensor: torch.Tensor) -> torch.Tensor:
+    """``torch.isfinite`` for every floating dtype: torch has none for the one-byte float8 dtypes a safetensors file
+    may hold, which are checked in float32 (exactly: every float8 value is a float32 one)."""
+    return torch.isfinite(tensor.float() if tensor.is_floating_point() and tensor.element_size() == 1 else tensor)
 
 
 def header(tensor_slice: Any) -> TensorHeader:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,6 +123,42 @@ def needs_launcher(name: str) -> pytest.MarkDecorator:
     """Skip where Hydra's ``name`` launcher plugin is missing (the test extras install it; a GPU image may not)."""
     missing = importlib.util.find_spec(f"hydra_plugins.hydra_{name}_launcher") is None
     return pytest.mark.skipif(missing, reason=f"hydra-{name}-launcher is not installed (pip install -e '.[test]')")
+
+
+def permissions_enforced() -> bool:
+    """Whether this process is held to file permissions: root with its usual capabilities lists a mode-000 dir."""
+    if os.geteuid() != 0:
+        return True
+    with tempfile.TemporaryDirectory() as scratch:
+        probe = Path(scratch) / "probe"
+        probe.mkdir(mode=0)
+        try:
+            os.listdir(probe)
+        except PermissionError:
+            return True
+        finally:
+            probe.chmod(0o700)
+    return False
+
+
+# Tests that take a permission away (chmod) to see what a reader or writer does without it.
+needs_permissions = pytest.mark.skipif(
+    not permissions_enforced(), reason="running as root, which ignores file permissions: a chmod takes nothing away"
+)
+
+
+@contextmanager
+def chmodded(path: Path, mode: int, recursive: bool = False) -> Iterator[Path]:
+    """``path`` (with ``recursive``, everything under it too) with permission bits ``mode``, restored afterwards."""
+    paths = [path, *(path.rglob("*") if recursive else [])]
+    before = {p: p.lstat().st_mode & 0o7777 for p in paths if not p.is_symlink()}
+    for p in sorted(before, key=lambda p: len(p.parts), reverse=True):  # deepest first: a dir's own bits last
+        p.chmod(mode)
+    try:
+        yield path
+    finally:
+        for p in sorted(before, key=lambda p: len(p.parts)):
+            p.chmod(before[p])
 
 
 def multirun(sweep_dir: Path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -166,7 +167,8 @@ def test_missing_or_empty_paths_are_typed_errors(tmp_path):
 
 def test_one_run_dir_loads_alone(small_sweep, tokens):
     run_dir = analysis.run_dirs(small_sweep)[0]
-    one = analysis.load_tokens(run_dir)
+    with pytest.warns(analysis.IncompleteRunsWarning, match="of the sweep"):  # a job dir is part of its sweep
+        one = analysis.load_tokens(run_dir)
     assert set(one[analysis.RUN_DIR]) == {str(run_dir)}
     assert len(one) == len(pd.read_parquet(table_file(run_dir, TOKENS_TABLE)))
 
@@ -299,3 +301,26 @@ def test_runs_left_out_of_a_frame_are_named_in_a_warning(small_sweep, tmp_path):
     assert (
         "job #1" in str(caught[0].message) and 0 < part[analysis.RUN_DIR].nunique() < whole[analysis.RUN_DIR].nunique()
     )
+
+
+@pytest.mark.parametrize("gate", ["never ran", "ran on a job dir only"])
+def test_a_sweep_whose_own_verdicts_are_missing_is_named_in_a_warning(small_sweep, tmp_path, gate):
+    """A sweep run again and killed between its start (which removes sweep_checks.parquet) and its gate: the frame of
+    its runs' rows lacked every tp and parity verdict without a word, while rlsweep.check said it was not GREEN."""
+    sweep_dir = tmp_path / "sweep"
+    shutil.copytree(small_sweep, sweep_dir, ignore=shutil.ignore_patterns(".rlsweep.lock", SWEEP_CHECKS_TABLE))
+    if gate == "ran on a job dir only":  # a gate over part of the sweep: its table is no verdict of the sweep
+        check_main([str(sweep_dir / "0")])
+    with pytest.warns(analysis.IncompleteRunsWarning, match=re.escape(f"{SWEEP_CHECKS_TABLE} under")) as caught:
+        checks = analysis.load_checks(sweep_dir)
+    assert f"python -m rlsweep.check {sweep_dir}" in str(caught[0].message)
+    assert set(checks[analysis.LEVEL]) == {analysis.RUN_LEVEL}
+
+
+def test_a_job_dir_alone_is_named_in_a_warning_as_part_of_its_sweep(small_sweep):
+    """The gate calls a job dir checked alone INCOMPLETE (its sweep's other jobs and verdicts are elsewhere); a frame
+    of it read as a whole sweep."""
+    job = analysis.run_dirs(small_sweep)[0]
+    for load in (analysis.load_tokens, analysis.load_checks):
+        with pytest.warns(analysis.IncompleteRunsWarning, match=re.escape(f"of the sweep {small_sweep} only")):
+            load(job)

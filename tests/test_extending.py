@@ -10,8 +10,10 @@ from pathlib import Path
 import forkserver
 import pandas as pd
 import pytest
-from rlsweep_fixtures import suite_overrides
+from rlsweep_fixtures import compose_run, suite_overrides
 
+from rlsweep.config import run_spec
+from rlsweep.errors import ConfigError
 from rlsweep.exitcodes import ExitCode
 
 TESTS = Path(__file__).parent
@@ -82,3 +84,50 @@ def test_resume_reruns_a_job_whose_backend_module_changed(tmp_path):
     second = rlsweep(tmp_path / "sweep", *overrides, config_dir=project / "conf", modules=project)
     assert second.returncode == ExitCode.RED, second.stdout + second.stderr
     assert "skipping" not in second.stdout
+
+
+@pytest.mark.parametrize("code", ["0", "None", "'text'"])
+def test_a_backend_module_that_exits_while_imported_is_an_error_naming_it(tmp_path, monkeypatch, code):
+    # sys.exit() is no Exception: a sweep's checks said "rlsweep: error: 0" (a single run: no module named).
+    name = f"exits_at_import_{abs(hash(code))}"
+    (tmp_path / f"{name}.py").write_text(f"import sys\nsys.exit({code})\n")
+    monkeypatch.syspath_prepend(tmp_path)
+    with pytest.raises(ConfigError) as caught:
+        run_spec(compose_run("layout=smoke", f"profile.backend_module={name}"))
+    assert str(caught.value).startswith(
+        f"profile 'cpu_bf16': its backend module {name!r} (profile.backend_module) exited, through "
+        f"sys.exit({eval(code)!r}), while being imported; "
+    ), caught.value
+
+
+EXITING_BACKEND = """
+import kernels
+from kernels.backend import STOCK_MATMUL_OPS
+from toy_backend import TILE_OPS, ToyBackend
+
+NODES = {"matmul": STOCK_MATMUL_OPS, "logprob": TILE_OPS, "tp_merge": TILE_OPS}
+
+
+@kernels.register_backend("exiting", kernels=NODES, capability=kernels.BACKENDS["toy"].capability)
+class ExitingBackend(ToyBackend):
+    def matmul(self, hidden, weight):
+        raise SystemExit(0)  # as sys.exit(0) does, inside the kernel call
+"""
+
+
+def test_a_backend_that_exits_inside_a_kernel_call_fails_its_job_naming_the_module(tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "exiting_backend.py").write_text(EXITING_BACKEND)
+    shutil.copy(TESTS / "toy_backend.py", project)
+    write_profile(tmp_path / "conf", backend_family="exiting", backend_module="exiting_backend",
+                  required_nodes="{matmul: exiting, logprob: exiting, tp_merge: exiting}")  # fmt: skip
+    done = rlsweep(tmp_path / "sweep", "profile=toy_cpu", "layout=smoke", "tp=1", config_dir=tmp_path / "conf",
+                   modules=project)  # fmt: skip
+    assert done.returncode == ExitCode.ERROR, done.stdout + done.stderr
+    assert done.stderr.splitlines() == [
+        f"rlsweep: error: job #0 ({' '.join(suite_overrides(['profile=toy_cpu', 'layout=smoke', 'tp=1']))}) failed: "
+        "profile 'toy_cpu': its backend module 'exiting_backend' (profile.backend_module) exited, through "
+        "sys.exit(0), while the run computed, before its verdicts; a backend module registers its backend and its "
+        "kernels return or raise: neither may end the process"
+    ], done.stderr

@@ -6,11 +6,17 @@ code, the one-line message and that nothing prints GREEN. Exit codes: rlsweep.ex
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,13 +26,24 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from rlsweep_fixtures import job_line, multirun, needs_launcher, run_rlsweep, table_file, tables_left, with_fault
+from rlsweep_fixtures import (
+    chmodded,
+    job_line,
+    multirun,
+    needs_launcher,
+    needs_permissions,
+    run_rlsweep,
+    suite_overrides,
+    table_file,
+    tables_left,
+    with_fault,
+)
 from safetensors.torch import save_file
 
 from rlsweep import analysis
 from rlsweep.check import main as check_main
 from rlsweep.discovery import JOBS_FILE, MULTIRUN_FILE, refuse_run_over_sweep, refuse_sweep_over_run, write_job_list
-from rlsweep.errors import OutputDirError
+from rlsweep.errors import OutputDirError, TablesNotFoundError
 from rlsweep.exitcodes import ExitCode, combine
 from rlsweep.gate import (
     REPORT_FILES,
@@ -41,7 +58,7 @@ from rlsweep.gate import (
     verdict_rows,
     without_baseline,
 )
-from rlsweep.locks import locked
+from rlsweep.locks import LOCK_FILE, locked
 from rlsweep.manifest import HYDRA_CONFIG, MANIFEST_FILE, file_sha256
 from rlsweep.report import main as report_main
 from rlsweep.tables import (
@@ -50,8 +67,11 @@ from rlsweep.tables import (
     METADATA_KEY,
     PART_FILE,
     TOKENS_TABLE,
+    RunLocation,
     TableError,
+    publish_tables,
     read_table,
+    write_tables,
 )
 
 # One worker builds the module's green sweep once and runs every test here.
@@ -130,6 +150,92 @@ def test_a_link_to_runs_outside_the_dir_is_named_not_passed_over(green_sweep, sw
     assert f"{tree / 'elsewhere'}: a link to {str(sweep)!r}" in output and f"rlsweep.check {sweep} judges" in output
     (tree / "elsewhere").unlink()
     assert check(tree, capsys)[0] == ExitCode.GREEN
+
+
+def warned_or_raised(load, path: Path) -> str:
+    """What an analysis loader said of ``path``: its IncompleteRunsWarning, or the error it raised instead."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            load(path)
+        except TablesNotFoundError as err:
+            return str(err)
+    return " ".join(str(w.message) for w in caught if issubclass(w.category, analysis.IncompleteRunsWarning))
+
+
+@needs_permissions
+@pytest.mark.parametrize("mode", [0o000, 0o300, 0o600], ids=["no access", "not listable", "not searchable"])
+@pytest.mark.parametrize("where", ["b", "b/1", f"b/{TOKENS_TABLE}", f"b/{CHECKS_TABLE}/job=1"])
+def test_a_dir_that_cannot_be_read_is_incomplete_naming_it_never_passed_over(
+    green_sweep, tmp_path, capsys, where, mode
+):
+    """Path.rglob stopped at a dir it could not list without a word: its runs were left out and the tree was GREEN
+    ("1 runs"), or a job read as having no run dir; the analysis API loaded the rest without a warning."""
+    tree = tmp_path / "tree"
+    for name in ("a", "b"):
+        shutil.copytree(green_sweep, tree / name, ignore=shutil.ignore_patterns(".rlsweep.lock"))
+    hidden_away = tree / where
+    with chmodded(hidden_away, mode):
+        code, output = check(tree, capsys)
+        assert code == ExitCode.INCOMPLETE, output
+        named = [line for line in output.splitlines() if line.startswith("  INCOMPLETE") and str(hidden_away) in line]
+        assert named and "Permission denied" in named[0] and "Traceback" not in output, output
+        for load in (analysis.load_tokens, analysis.load_checks):
+            said = warned_or_raised(load, tree)
+            assert str(hidden_away) in said and "Permission denied" in said, said
+        if (where, mode) == ("b", 0o000):
+            assert report_main([str(tree), "--out", str(tmp_path / "report")]) == ExitCode.INCOMPLETE
+            report = (tmp_path / "report" / "report.md").read_text()
+            assert str(hidden_away) in report and "Permission denied" in report
+
+
+@needs_permissions
+@pytest.mark.parametrize(
+    "what",
+    [JOBS_FILE, MULTIRUN_FILE, "1/.hydra/overrides.yaml", f"1/{MANIFEST_FILE}", f"{CHECKS_TABLE}/job=1/{PART_FILE}"],
+)
+def test_a_file_that_cannot_be_read_is_incomplete_saying_so(sweep, capsys, what):
+    """An unreadable job list was an error, an unreadable job record a job with "no run dir": the path and that its
+    permissions stop the reading must be named, and the sweep is never judged without it."""
+    unreadable = sweep / what
+    with chmodded(unreadable, 0o000):
+        code, output = check(sweep, capsys)
+    assert code == ExitCode.INCOMPLETE, output
+    assert f"{str(unreadable)!r} cannot be read: Permission denied" in output, output
+
+
+@needs_permissions
+@pytest.mark.parametrize("broken", [False, True], ids=["complete", "a job missing"])
+def test_a_read_only_sweep_is_checked_and_says_its_outputs_were_not_written(sweep, tmp_path, capsys, broken):
+    """An archived sweep (chmod -R a-w) could not be checked: the lock and the gate's tables are written into it."""
+    if broken:
+        (sweep / "1" / MANIFEST_FILE).unlink()
+    (sweep / SWEEP_CHECKS_TABLE).unlink(missing_ok=True)
+    with chmodded(sweep, 0o555, recursive=True):
+        code, output = check(sweep, capsys)
+        assert code == (ExitCode.INCOMPLETE if broken else ExitCode.GREEN), output
+        assert f"sweep gate: {1 if broken else 2} runs" in output
+        notes = [line for line in output.splitlines() if "read-only" in line]
+        assert len(notes) == 1 and str(sweep) in notes[0], output
+        assert f"{SWEEP_CHECKS_TABLE} and {SUMMARY_FILE} were not written" in notes[0], output
+        assert not (sweep / SWEEP_CHECKS_TABLE).exists()
+        assert report_main([str(sweep)]) == ExitCode.ERROR  # the report's files go into DIR: refused, naming --out
+        assert "--out" in capsys.readouterr().err
+        code = report_main([str(sweep), "--out", str(tmp_path / "report")])
+        assert code == (ExitCode.INCOMPLETE if broken else ExitCode.GREEN), capsys.readouterr()
+
+
+@needs_permissions
+def test_a_sweep_whose_files_are_read_only_is_checked_in_its_writable_dir(sweep, capsys):
+    """Files archived read-only one by one, its lock file among them: the lock was opened for writing, and the check
+    of a dir it could write into failed."""
+    (sweep / LOCK_FILE).write_text("")
+    with contextlib.ExitStack() as stack:
+        for path in [path for path in sweep.rglob("*") if path.is_file()]:
+            stack.enter_context(chmodded(path, 0o444))
+        code, output = check(sweep, capsys)
+    assert code == ExitCode.GREEN, output
+    assert "read-only" not in output and (sweep / SUMMARY_FILE).stat().st_mode & 0o200  # written anew
 
 
 @pytest.mark.parametrize("table", [TOKENS_TABLE, CHECKS_TABLE, MANIFEST_FILE])
@@ -364,8 +470,7 @@ def test_a_job_that_calls_sys_exit_fails_the_sweep_instead_of_ending_it_green(tm
     assert done.returncode == ExitCode.ERROR and "Traceback" not in output and "sweep gate:" not in output, output
     assert done.stderr.splitlines()[-1] == (
         f"rlsweep: error: job #0 ({job_line('profile=cpu_bf16', 'layout=smoke', 'tp=1')}) failed: the run ended early "
-        "through "
-        "sys.exit(None), before its verdicts"
+        "through sys.exit(None) in module '__main__', before its verdicts"
     )
     assert set(pd.read_parquet(tmp_path / CHECKS_TABLE, columns=["tp"])["tp"]) == {2}  # the other job ran
 
@@ -527,6 +632,7 @@ def test_a_full_disk_is_one_line_and_leaves_no_table(tmp_path):
     done = with_fault(fault, "rlsweep", f"hydra.run.dir={tmp_path}", "layout=smoke")
     assert_not_green(done, ExitCode.ERROR)
     assert "No space left on device" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert f"{str(tmp_path / TOKENS_TABLE / PART_FILE)!r} cannot be written" in done.stderr, done.stderr
     assert tables_left(tmp_path) == []
     assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
@@ -613,6 +719,65 @@ def test_a_single_run_into_a_job_dir_of_a_sweep_is_refused_and_deletes_nothing(s
     assert snapshot(sweep) == before
     code, output = check(sweep, capsys)
     assert code == ExitCode.GREEN, output
+
+
+@pytest.mark.parametrize("folder", [TOKENS_TABLE, f"{CHECKS_TABLE}/job=1"])
+def test_a_check_of_a_tables_folder_writes_nothing_there(sweep, capsys, folder):
+    """The check of a sweep's dataset folder took its lock there, a file in the sweep's dataset, to find no run."""
+    before = snapshot(sweep)
+    code, output = check(sweep / folder, capsys)
+    assert code == ExitCode.ERROR and f"python -m rlsweep.check {sweep} judges it" in output, output
+    assert snapshot(sweep) == before
+
+
+@pytest.fixture(scope="module")
+def green_run(tmp_path_factory) -> Path:
+    """A real green single run; tests copy it before writing near it."""
+    run_dir = tmp_path_factory.mktemp("green_run")
+    done = run_rlsweep(run_dir, "layout=smoke")
+    assert done.returncode == ExitCode.GREEN, done.stdout + done.stderr
+    return run_dir
+
+
+@pytest.mark.parametrize("key", ["tables_dir", "hydra.run.dir", "hydra.sweep.dir"])
+@pytest.mark.parametrize("inside", [TOKENS_TABLE, f"{CHECKS_TABLE}/deeper", "sub"])
+def test_nothing_is_written_inside_another_runs_dir_or_its_dataset_folders(green_run, tmp_path, capsys, key, inside):
+    """tables_dir=<run>/tokens wrote a run's tables into another run's dataset folder (a reader of that run loaded
+    them as its rows, and its check said INCOMPLETE) and exited GREEN; a run or a sweep inside another run's dir
+    was judged with it."""
+    run = tmp_path / "run"
+    shutil.copytree(green_run, run, ignore=shutil.ignore_patterns(".rlsweep.lock"))
+    before = snapshot(run)
+    target = run / inside
+    if key == "tables_dir":
+        args = suite_overrides(["layout=smoke", f"tables_dir={target}"])
+        done = forkserver.run("-m", "rlsweep", args, cwd=tmp_path, timeout=300)
+    elif key == "hydra.run.dir":
+        done = run_rlsweep(target, "layout=smoke")
+    else:
+        done = multirun(target, "layout=smoke", "tp=1")
+    assert_not_green(done, ExitCode.ERROR)
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert f"{str(target)!r} ({key}) lies inside the run dir {str(run)!r}" in done.stderr
+    assert "kernel calls" not in done.stdout + done.stderr and snapshot(run) == before
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["run"]  # nothing left elsewhere either
+    assert check(run, capsys)[0] == ExitCode.GREEN
+
+
+def test_a_run_with_tables_dir_is_whole_there_and_leaves_no_unfinished_run_dir(tmp_path, capsys):
+    """Hydra's record of a tables_dir run went to outputs/runs/<date>/<time> without a manifest, a run dir that never
+    finished for every later check of outputs/ (INCOMPLETE for good), and the tables went unchecked against it."""
+    tables = tmp_path / "tables"
+    done = forkserver.run("-m", "rlsweep", suite_overrides(["layout=smoke", f"tables_dir={tables}"]), cwd=tmp_path)
+    assert done.returncode == ExitCode.GREEN, done.stdout + done.stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["tables"]
+    assert (tables / HYDRA_CONFIG).is_file() and (tables / MANIFEST_FILE).is_file()
+    code, output = check(tmp_path, capsys)
+    assert code == ExitCode.GREEN and "sweep gate: 1 runs" in output, output
+    again = run_rlsweep(tmp_path / "elsewhere", "layout=smoke", f"tables_dir={tables}")  # hydra.run.dir too
+    assert_not_green(again, ExitCode.ERROR)
+    assert "name two dirs for one run" in again.stderr and len(again.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "elsewhere").exists()
 
 
 @pytest.mark.parametrize("into", ["the job's dir", "a dir in it"])
@@ -712,14 +877,17 @@ def test_a_usage_error_is_exit_1_not_red_and_names_the_command():
         [sys.executable, "-m", "rlsweep", "--no-such-flag"], capture_output=True, text=True, timeout=120
     )
     assert_not_green(done, ExitCode.ERROR)
-    assert done.stderr.startswith("usage: rlsweep "), done.stderr  # not __main__.py
+    # One line, its usage folded in (Hydra's parser printed 7 lines of usage, then the error), naming the command.
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("rlsweep: error: unrecognized arguments: --no-such-flag (usage: rlsweep [--help]")
 
 
 @pytest.mark.parametrize("main", [check_main, report_main])
 @pytest.mark.parametrize("argv", [[], ["--no-such-flag", "."]])
 def test_usage_errors_of_check_and_report_are_exit_1(main, argv, capsys):
     assert main(argv) == ExitCode.ERROR
-    assert "usage: python -m rlsweep." in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "error: " in err and "(usage: python -m rlsweep." in err, err
 
 
 @pytest.mark.parametrize("main", [check_main, report_main])
@@ -743,3 +911,96 @@ def test_a_run_whose_kernels_provenance_stopped_is_red_with_every_verdict_presen
     assert_not_green(done, ExitCode.RED)
     report = forkserver.run("-m", "rlsweep.report", [str(tmp_path)])
     assert_not_green(report, ExitCode.RED)
+
+
+FULL = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_names_the_file_that_could_not_be_written(tmp_path, monkeypatch):
+    # The manifest, the gate's tables and a report's files are written by write_tables, a run's tables by
+    # publish_tables: the OSError left without its path ("[Errno 28] No space left on device").
+    def full(*args, **kwargs):
+        raise FULL
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(OutputDirError) as caught:
+        write_tables(tmp_path, {}, files={MANIFEST_FILE: "{}"})
+    assert str(caught.value) == f"{str(tmp_path / MANIFEST_FILE)!r} cannot be written: No space left on device"
+    monkeypatch.setattr(pq, "write_table", full)
+    location = RunLocation.sweep_job(tmp_path / "0", tmp_path, 0)
+    with pytest.raises(OutputDirError) as caught:
+        publish_tables(location, {TOKENS_TABLE: pa.table({"x": [1]})})
+    assert str(caught.value) == f"{str(location.table_file(TOKENS_TABLE))!r} cannot be written: No space left on device"
+    assert not [path for path in tmp_path.rglob("*") if path.is_file()]
+
+
+def caught_signals(pid: int) -> int:
+    """The signals process ``pid`` has handlers for (SigCgt of /proc/<pid>/status), as a bit mask; 0 once it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    return int(next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1], 16)
+
+
+def loaded(pid: int, library: str) -> bool:
+    try:
+        return library in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/status")
+@pytest.mark.parametrize(
+    ("module", "signum"),
+    [("rlsweep", signal.SIGINT), ("rlsweep", signal.SIGTERM), ("rlsweep.check", signal.SIGTERM),
+     ("rlsweep.report", signal.SIGINT)],
+    ids=lambda value: getattr(value, "name", value),
+)  # fmt: skip
+def test_a_signal_while_a_command_starts_ends_it_with_one_line_and_exit_1(tmp_path, module, signum):
+    # Before rlsweep's main installed its handlers, Ctrl-C printed a traceback from inside an import (exit 130) and
+    # SIGTERM ended the process silently (143). The handlers must come before the imports that take seconds.
+    prog = "rlsweep" if module == "rlsweep" else f"python -m {module}"
+    said = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted"
+    for delay in (0.0, 0.3):  # as soon as the handler is there, and later, inside the imports
+        command = [sys.executable, "-m", module, f"hydra.run.dir={tmp_path}" if module == "rlsweep" else str(tmp_path)]
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while not caught_signals(process.pid) & 1 << (signal.SIGTERM - 1) and time.monotonic() < deadline:
+                time.sleep(0.002)
+            early = not loaded(process.pid, "libtorch")  # the handler is in before torch is imported
+            time.sleep(delay)
+            process.send_signal(signum)
+            _, err = process.communicate(timeout=120)
+        finally:
+            process.kill()
+        assert early, f"{module}: its signal handlers come only after torch is imported"
+        assert (process.returncode, err) == (ExitCode.ERROR, f"{prog}: error: {said}\n"), (delay, err)
+
+
+def nan_head(directory: Path) -> list[str]:
+    """Overrides of a run whose head has a NaN: its header passes a sweep's preflight, the run fails on its values."""
+    head = torch.ones(3001, 64)
+    head[0, 1] = float("nan")
+    path = directory / "head.safetensors"
+    save_file({"lm_head.weight": head}, path)
+    return ["model=replay", "model.hidden_size=64", "model.vocab_size=3001", f"model.weights.path={path}",
+            "layout=smoke"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "launcher", [(), pytest.param(JOBLIB, marks=needs_launcher("joblib"))], ids=["basic", "joblib"]
+)
+def test_each_failed_job_of_a_sweep_is_one_line_on_stderr_whatever_the_launcher(tmp_path, launcher):
+    # Hydra's sweeper wrote "Error executing job with overrides: [...]" beside rlsweep's line for the first failure,
+    # and said nothing on stderr of the others.
+    overrides = nan_head(tmp_path)
+    done = multirun(tmp_path / "sweep", *overrides, "tp=1,2", *launcher)
+    assert done.returncode == ExitCode.ERROR and "sweep gate:" not in done.stdout, done.stdout + done.stderr
+    reason = (f"weight file {str(tmp_path / 'head.safetensors')!r} (model.weights.path): lm_head.weight[0, 1] = nan is "
+              "not finite")  # fmt: skip
+    assert done.stderr.splitlines() == [
+        f"rlsweep: error: job #{num} ({job_line(*overrides, f'tp={tp}')}) failed: {reason}"
+        for num, tp in enumerate((1, 2))
+    ], done.stderr

@@ -4,6 +4,7 @@ before any allocation."""
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 import sys
@@ -18,7 +19,11 @@ from rlsweep import environment
 from rlsweep.config import run_spec
 from rlsweep.errors import ConfigError, ReplayInputError
 from rlsweep.execute import check_fits, peak_bytes
+from rlsweep.exitcodes import ExitCode
 from rlsweep.layouts import filler_rows_needed, largest_calls, plan_cells
+from rlsweep.manifest import identify
+from rlsweep.model import build_lm_head
+from rlsweep.run import preflight
 from rlsweep.spec import (
     MAX_HIDDEN_SCALE,
     MAX_HIDDEN_SIZE,
@@ -123,7 +128,7 @@ def replace_by_dir(path) -> None:
 
 
 BAD_WEIGHT_FILES = {
-    "a directory": (lambda d: replace_by_dir(d / "head.safetensors"), "(model.weights.path) is not a file"),
+    "a directory": (lambda d: replace_by_dir(d / "head.safetensors"), "(model.weights.path) is a directory"),
     "not safetensors": (lambda d: corrupt(d / "head.safetensors", "garbage"), "is not a readable safetensors file"),
     "truncated": (lambda d: corrupt(d / "head.safetensors", "truncated"), "is not a readable safetensors file"),
     "no head tensor": (
@@ -140,7 +145,7 @@ BAD_WEIGHT_FILES = {
     ),
 }
 BAD_REPLAY_FILES = {
-    "a directory": (lambda d: replace_by_dir(d / "capture.safetensors"), "(workload.path) is not a file"),
+    "a directory": (lambda d: replace_by_dir(d / "capture.safetensors"), "(workload.path) is a directory"),
     "not safetensors": (lambda d: corrupt(d / "capture.safetensors", "garbage"), "is not a readable safetensors file"),
     "truncated": (lambda d: corrupt(d / "capture.safetensors", "truncated"), "is not a readable safetensors file"),
     "integer hidden states": (
@@ -159,6 +164,36 @@ BAD_REPLAY_FILES = {
         "active_mask must be bool",
     ),
 }
+
+
+# What an input path may be besides a regular file: each was opened (a FIFO: until some writer came) or read without end
+# (/dev/zero) when the run hashed its inputs, before any check. Each makes the path in place of the input file.
+NOT_REGULAR = {
+    "a FIFO": (lambda path: (path.unlink(), os.mkfifo(path)), "is a FIFO (named pipe), not a regular file"),
+    "a link to /dev/zero": (lambda path: (path.unlink(), path.symlink_to("/dev/zero")),
+                            "is a character device (through a link to '/dev/zero'), not a regular file"),
+    "a directory": (replace_by_dir, "is a directory, not a regular file"),
+}  # fmt: skip
+INPUT_FILES = {
+    "model.weights.path": ("weight file", "head.safetensors"),
+    "workload.path": ("replay file", "capture.safetensors"),
+}
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+@pytest.mark.parametrize("key", sorted(INPUT_FILES))
+@pytest.mark.parametrize("case", sorted(NOT_REGULAR))
+def test_an_input_path_that_is_no_regular_file_is_refused_before_it_is_read_or_hashed(tmp_path, key, case):
+    overrides = replay_overrides(tmp_path, replay_tensors())
+    what, name = INPUT_FILES[key]
+    make, kind = NOT_REGULAR[case]
+    make(tmp_path / name)
+    spec = run_spec(compose_run(*overrides))
+    # A sweep checks every job's files first (preflight); a single run hashes them first (its identity).
+    for step in (lambda: preflight(spec), lambda: identify(spec.config)):
+        with pytest.raises(ReplayInputError) as caught:
+            step()
+        assert str(caught.value) == f"{what} {str(tmp_path / name)!r} ({key}) {kind}"
 
 
 @pytest.mark.parametrize(
@@ -306,7 +341,8 @@ def synthetic_active(seq_lens, prompt_lens) -> torch.Tensor:
 @pytest.mark.parametrize("layout", ["full", "smoke"])
 @pytest.mark.parametrize("active", ["synthetic", "replay mask"])
 def test_largest_calls_match_the_planned_cells(layout, active):
-    spec = run_spec(compose_run(f"layout={layout}", "layout.chunk_size=3"))
+    chunks = ["layout.chunk_size=3"] if layout == "full" else []  # smoke has no chunked cell to read it
+    spec = run_spec(compose_run(f"layout={layout}", *chunks))
     seq_lens = list(spec.workload.seq_lens)
     if active == "synthetic":
         mask = synthetic_active(seq_lens, spec.workload.prompt_lens)
@@ -362,7 +398,13 @@ CLI_REFUSALS = {
     "negative seed": (["seed=-1"], "seed=-1 is outside"),
     "vocab 1e8": (["model.vocab_size=100000000"], "model.vocab_size=100000000 is outside"),
     "cannot fit": (TOO_LARGE, "is available ("),
-}
+    # A single run hashes its input files first: /dev/zero was read for ever.
+    "weights /dev/zero": (["model.weights.kind=file", "model.weights.path=/dev/zero"],
+                          "weight file '/dev/zero' (model.weights.path) is a character device, not a regular file"),
+    "replay /dev/zero": (["workload=replay", "workload.path=/dev/zero"],
+                         "replay file '/dev/zero' (workload.path) is a character device, not a regular file"),
+    "empty tables_dir": (["tables_dir=''"], "tables_dir=''"),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", sorted(CLI_REFUSALS))
@@ -370,7 +412,7 @@ def test_cli_refuses_with_one_message_and_no_table(tmp_path, case):
     overrides, message = CLI_REFUSALS[case]
     done = run_rlsweep(tmp_path, "layout=smoke", *overrides)
     assert done.returncode == 1, done.stderr
-    assert message in done.stderr
+    assert message in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
     assert "Traceback" not in done.stderr
     assert tables_left(tmp_path) == []
 
@@ -399,3 +441,21 @@ def test_tp_above_1_where_one_tile_holds_the_whole_vocab_is_refused(overrides):
     with pytest.raises(ConfigError, match=r"tp=2 with profile\.vocab_tile=\d+ >= model\.vocab_size=\d+: rank 0 holds"):
         run_spec(compose_run("layout=smoke", "tp=2", *overrides))
     run_spec(compose_run("layout=smoke", "tp=1", *overrides))
+
+
+@pytest.mark.parametrize(("scale", "code"), [(1e-30, ExitCode.ERROR), (1e-8, ExitCode.ERROR), (1e-7, ExitCode.RED)])
+def test_inputs_no_verdict_could_fail_on_are_refused_by_one_rule_and_the_rest_are_judged(tmp_path, scale, code):
+    # A head file scaled down: at 1e-8 every logit spread is below one fp32 ulp of logp and the negative control's
+    # layout variance vanishes (GREEN if run); at 1e-7 it still shows, so the inputs are judged and the control is red.
+    spec = run_spec(compose_run())
+    head = build_lm_head(spec.model, dtype=torch.float32, device=torch.device("cpu"))
+    path = tmp_path / "head.safetensors"
+    save_file({"lm_head.weight": (head.weight * scale).to(torch.bfloat16).contiguous()}, path)
+    done = run_rlsweep(
+        tmp_path / "run", "profile=negative_control_cpu", "model=replay", f"model.weights.path={path}",
+        f"model.hidden_size={spec.model.hidden_size}", f"model.vocab_size={spec.model.vocab_size}",
+    )  # fmt: skip
+    assert done.returncode == code, done.stdout + done.stderr
+    if code == ExitCode.ERROR:
+        assert "no verdict could fail on these inputs" in done.stderr and len(done.stderr.splitlines()) == 1
+        assert tables_left(tmp_path / "run") == []

@@ -142,6 +142,28 @@ def test_the_ignore_index_on_tokens_the_active_mask_leaves_out_is_read_as_theirs
     assert (logp[0].to_numpy().view("u4") == logp[1].to_numpy().view("u4")).all()
 
 
+FLOAT8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("dtype", FLOAT8, ids=str)
+def test_a_float8_head_is_checked_and_judged_as_any_other_dtype(tmp_path, dtype):
+    # torch has no isfinite (nor equal) for float8: the finiteness check of the head crashed on an accepted dtype.
+    tensors = replay_tensors() | {"weight": replay_tensors()["weight"].to(dtype)}
+    cfg = compose_run(*replay_run(tmp_path, tensors), "layout=smoke", "layout.cells=[BN/packed]", "layout.needles=[]")
+    spec = run_spec(cfg)
+    head = build_lm_head(spec.model, dtype=spec.profile.dtype, device=torch.device("cpu"))
+    assert torch.equal(head.weight, tensors["weight"].to(spec.profile.dtype))  # every float8 value is a bf16 one
+    assert execute_run(cfg, tmp_path / "run").exit_code == 0
+    spoiled = tensors["weight"].clone()
+    spoiled[7, 3] = float("nan")  # e4m3fn has no inf: NaN is its one value that is not finite
+    save_file({"lm_head.weight": spoiled}, tmp_path / "head.safetensors")
+    with pytest.raises(ReplayInputError, match=re.escape("lm_head.weight[7, 3] = nan is not finite")):
+        build_lm_head(spec.model, dtype=spec.profile.dtype, device=torch.device("cpu"))
+    save_file({"lm_head.weight": torch.zeros_like(spoiled)}, tmp_path / "head.safetensors")
+    with pytest.raises(ReplayInputError, match="every row of the head is the same"):
+        build_lm_head(spec.model, dtype=spec.profile.dtype, device=torch.device("cpu"))
+
+
 def test_a_weight_file_rewritten_after_its_header_was_checked_is_refused_naming_it(tmp_path, monkeypatch):
     spec = run_spec(compose_run(*replay_run(tmp_path, replay_tensors())))
     path = tmp_path / "head.safetensors"
@@ -186,7 +208,7 @@ CONFIG_BAD_INPUTS = {
     "needles no cell reads": (
         ["layout.cells=[BN/packed]", "layout.needles=[{m: 3, pos: 1}]"],
         ConfigError,
-        "layout.needles [needle/M=3/pos=1] are read by no cell: layout.cells ['BN/packed'] has no 'needle'",
+        "layout.needles=[{'m': 3, 'pos': 1}] are read by no cell: layout.cells ['BN/packed'] has no 'needle'",
     ),
     "require_all false": (["contract.chain_logprob_aggregates.require_all=false"], ContractError, "require_all"),
     "clip_interval not numbers": (
@@ -207,6 +229,12 @@ CONFIG_BAD_INPUTS = {
                                  "profile.name='triton_cpu_bf16' is not its file's name (profile=cpu_bf16)"),
     "weight file missing": (["model.weights.kind=file", "model.weights.path=/nonexistent.st"], ReplayInputError,
                             "/nonexistent.st"),
+    # A name key names a run's part in tables and declarations; an empty one (a quoted unset variable) names nothing.
+    **{f"blank {key}": ([f"{key}=''"], ConfigError, f"{key}='' is blank")
+       for key in ("model.name", "workload.name", "layout.name", "profile.name", "profile.backend_module")},
+    "blank head tensor name": (["model.weights.kind=file", "model.weights.path=/x.st", "model.weights.tensor=' '"],
+                               ConfigError, "model.weights.tensor=' ' is blank"),
+    "empty tables_dir": (["tables_dir=''"], ConfigError, "tables_dir='' is empty"),
 }  # fmt: skip
 
 
@@ -245,6 +273,58 @@ def test_a_synthetic_workload_key_of_a_replay_is_refused(tmp_path, override):
     with pytest.raises(ConfigError, match=re.escape(f"workload.{override.split('.')[1].split('=')[0]}=")):
         run_spec(compose_run(*replay, override))
     run_spec(compose_run(*replay))
+
+
+# A key the chosen options leave unread changes nothing: set by the user, a sweep over it would run one job several
+# times. Each with the options that leave it unread (a replay's files are never opened by the parse).
+UNREAD_KEYS = {
+    "model.weights.seed": ["model=replay", "model.hidden_size=64", "model.vocab_size=3001", "model.weights.path=h.st"],
+    "model.weights.logit_std": ["model=replay", "model.hidden_size=64", "model.vocab_size=3001",
+                                "model.weights.path=h.st"],
+    "model.padded_vocab_size": [],  # model=tiny: synthetic weights of model.vocab_size rows
+    "model.tie_word_embeddings": [],
+    "layout.chunk_size": ["layout=smoke"],  # no chunked cell
+    "layout.needles": ["layout.cells=[BN/packed,B1/full]"],
+    "seed": ["workload=replay", "workload.path=c.st", "layout.cells=[BN/packed,B1/full]"],  # nothing drawn from it
+    "workload.hidden_scale": ["workload=replay", "workload.path=c.st"],
+}  # fmt: skip
+USER_VALUES = {"model.weights.seed": "8", "model.weights.logit_std": "4.0", "model.padded_vocab_size": "4000",
+               "model.tie_word_embeddings": "true", "layout.chunk_size": "5", "layout.needles": "[{m: 3, pos: 1}]",
+               "seed": "3", "workload.hidden_scale": "2"}  # fmt: skip
+
+
+@pytest.mark.parametrize("key", sorted(UNREAD_KEYS))
+def test_a_key_the_chosen_options_leave_unread_is_refused_when_the_user_sets_it(key):
+    # Some values equal what the shipped files give (layout=smoke ships chunk_size 5): set on the command line, they
+    # are the user's all the same, and a sweep over them would begin with that value.
+    with pytest.raises(ConfigError, match=re.escape(f"{key}=")) as caught:
+        run_spec(compose_run(*UNREAD_KEYS[key], f"{key}={USER_VALUES[key]}"))
+    assert f"leave {key} unset, or " in str(caught.value)
+    run_spec(compose_run(*UNREAD_KEYS[key]))  # the same options with the key as shipped
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model=qwen3_8b", "model.weights.kind=file", "model.weights.path=h.st"],  # its synthetic seed 8, logit_std 4
+        ["layout=full", "layout.cells=[BN/packed]"],  # full's needles
+        ["layout=smoke"],  # smoke's chunk_size, no chunked cell
+        ["layout.cells=[BN/packed]", "layout.needles=[]", "model.padded_vocab_size=null"],  # set to unset
+    ],
+    ids=lambda overrides: " ".join(overrides),
+)
+def test_shipped_defaults_the_chosen_options_leave_unread_are_ignored(overrides):
+    spec = run_spec(compose_run(*overrides))
+    assert not spec.layout.needles or "needle" in spec.layout.cells  # no needle is computed that no cell reads
+
+
+def test_a_key_a_users_own_config_sets_that_the_run_leaves_unread_is_refused(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "mine.yaml").write_text(
+        "name: mine\nhidden_size: 64\nvocab_size: 3001\npadded_vocab_size: 4096\nweights: {kind: synthetic}\n"
+    )
+    with pytest.raises(ConfigError, match=re.escape("model.padded_vocab_size=4096 applies to weight files only")):
+        run_spec(compose_run(f"hydra.searchpath=[file://{tmp_path}]", "model=mine"))
 
 
 # A file named for a synthetic source would go unread: the run would judge synthetic inputs and say nothing.

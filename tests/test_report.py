@@ -121,6 +121,22 @@ def test_an_out_inside_a_tables_folder_is_refused(small_sweep, capsys, inside, j
     assert sorted(str(p.relative_to(small_sweep)) for p in small_sweep.rglob("*")) == before
 
 
+@pytest.mark.parametrize("inside", ["tokens", "checks/job=0", "tokens/job=1/deeper", ".", "0", "1/deeper"])
+def test_an_out_in_another_sweeps_dir_or_tables_is_refused(small_sweep, tmp_path, capsys, inside):
+    """--out into another sweep's tokens/ made that sweep unreadable to every reader (and INCOMPLETE to its check);
+    into its dir or a job's, the report read as that sweep's or run's."""
+    other = tmp_path / "other"
+    shutil.copytree(small_sweep, other, ignore=shutil.ignore_patterns(".rlsweep.lock"))
+    out = other / inside
+    before = sorted(str(p.relative_to(other)) for p in other.rglob("*"))
+    assert main([str(small_sweep), "--out", str(out)]) == ExitCode.ERROR
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"--out {str(out)!r}" in err, err
+    assert sorted(str(p.relative_to(other)) for p in other.rglob("*")) == before
+    if inside == ".":  # a job dir's report into its own sweep's dir, outside its tables folders: allowed
+        assert main([str(other / "0"), "--out", str(other / "report")]) == ExitCode.INCOMPLETE
+
+
 def test_an_empty_out_or_an_out_that_is_a_file_is_refused(small_sweep, tmp_path, capsys):
     assert main([str(small_sweep), "--out", ""]) == ExitCode.ERROR
     err = capsys.readouterr().err

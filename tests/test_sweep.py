@@ -167,11 +167,14 @@ def test_jobs_that_spell_one_value_two_ways_stop_the_sweep_before_any_job_runs(v
         ("x", "tp=2) cannot run: its run dir, hydra.sweep.subdir='x', is job #0's too"),
         ("/elsewhere", "tp=1) cannot run: hydra.sweep.subdir='/elsewhere' is not a dir inside the sweep dir"),
         ("../up", "tp=1) cannot run: hydra.sweep.subdir='../up' is not a dir inside the sweep dir"),
+        ("tokens/x${hydra.job.num}", "tp=1) cannot run: hydra.sweep.subdir='tokens/x0' lies inside the sweep's"),
+        ("checks", "tp=1) cannot run: hydra.sweep.subdir='checks' lies inside the sweep's checks/ dataset folder"),
     ],
 )
 def test_jobs_whose_run_dirs_are_shared_or_outside_the_sweep_stop_it_before_any_job_runs(subdir, message):
     """Jobs sharing a dir replaced each other's runs, and a dir outside the sweep was never found: every job ran, and
-    the sweep ended INCOMPLETE."""
+    the sweep ended INCOMPLETE. Job dirs in the sweep's own dataset folders ran too, and broke the sweep's datasets
+    for every reader."""
     overrides = ["layout=smoke", f"hydra.sweep.subdir={subdir}"]
     with initialize_config_module("conf", version_base="1.3"):
         config = compose("config", overrides=overrides, return_hydra_config=True)
@@ -229,6 +232,26 @@ def test_an_empty_output_dir_is_refused_not_taken_for_the_current_dir(tmp_path, 
         "current directory)\n"
     )
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("jobs", "message"),
+    [
+        ([("tp=1", "tables_dir=/t")], "job #0 (layout=smoke tp=1 tables_dir=/t) cannot run: tables_dir='/t' in a"),
+        (
+            [("tp=1", "hydra.sweep.subdir=a"), ("tp=2", "hydra.sweep.subdir=a/b")],
+            "cannot run: its run dir, hydra.sweep.subdir='a/b', and job #0's ('a') lie one inside the other",
+        ),
+    ],
+    ids=["tables_dir", "nested job dirs"],
+)
+def test_a_job_whose_outputs_would_go_astray_stops_the_sweep_before_any_job_runs(jobs, message):
+    """tables_dir in a sweep was refused only once its job ran, after the jobs before it; a job dir inside another
+    job's would be judged as part of that job's."""
+    with initialize_config_module("conf", version_base="1.3"):
+        config = compose("config", overrides=["layout=smoke"], return_hydra_config=True)
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            preflight_jobs(config, [("layout=smoke", *job) for job in jobs])
 
 
 def test_a_job_whose_sweep_dir_depends_on_a_swept_value_stops_the_sweep_before_any_job_runs():
