@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from rlsweep.errors import ConfigError, OutputDirError, UnreadablePathError
-from rlsweep.listing import Listing, list_tree, os_reason, readable_text
+from rlsweep.listing import Listing, list_tree, os_reason, present, readable_text
 from rlsweep.manifest import HYDRA_CONFIG, MANIFEST_FILE, canonical_sha256, read_manifest, table_files, verify_run
 from rlsweep.tables import (
     PARTITION_NAME,
@@ -127,17 +127,6 @@ def job_overrides(run_dir: Path) -> tuple[str, ...] | None:
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
         return None
     return tuple(overrides)
-
-
-def present(path: Path) -> bool:
-    """Whether something is at ``path`` (a link too); one that cannot be looked at counts: it may be there."""
-    try:
-        os.lstat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return False
-    except OSError:
-        return True
-    return True
 
 
 def sweep_marks(directory: Path) -> list[Path]:

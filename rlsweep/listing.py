@@ -40,6 +40,17 @@ def readable_text(path: Path) -> str:
         raise unreadable(path, err) from err
 
 
+def present(path: Path) -> bool:
+    """Whether something is at ``path`` (a link too); one that cannot be looked at counts: it may be there."""
+    try:
+        os.lstat(path)
+    except NOT_THERE:
+        return False
+    except OSError:
+        return True
+    return True
+
+
 @dataclass(frozen=True)
 class Listing:
     """What lies under ``root``: every entry (``root`` excluded, in walk order), which are real directories, which

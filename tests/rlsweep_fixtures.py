@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from omegaconf import DictConfig
 from safetensors.torch import save_file
 
 from rlsweep.config import register_configs, run_spec
+from rlsweep.locks import LOCK_FILE
 from rlsweep.manifest import MANIFEST_FILE, identify, read_manifest, table_files
 from rlsweep.model import LmHead, build_lm_head
 from rlsweep.run import RunOutcome, execute, preflight
@@ -110,6 +112,16 @@ def run_rlsweep(
     args = [f"hydra.run.dir={directory}", *suite_overrides(overrides)]
     done = forkserver.run("-m", "rlsweep", args, env=env, cwd=cwd, timeout=300)
     return Completed(done.returncode, done.stdout, done.stderr, directory)
+
+
+# A sweep whose control's forward_invariance reds are declared, as conf/sweep/ci.yaml declares them.
+CONTROL_DECLARED = "expected_red=[{profiles:[negative_control_cpu],judgment:forward_invariance,reason:control}]"
+
+
+def copy_outputs(source: Path, target: Path) -> Path:
+    """A copy of a run or sweep dir (or a tree of them) at ``target``, without the lock file a writer leaves."""
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns(LOCK_FILE))
+    return target
 
 
 def tables_left(directory: Path) -> list[str]:

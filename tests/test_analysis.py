@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.compute
 import pyarrow.parquet as pq
 import pytest
-from rlsweep_fixtures import multirun, table_file
+from rlsweep_fixtures import copy_outputs, multirun, table_file
 
 from rlsweep import analysis
 from rlsweep.check import main as check_main
@@ -206,7 +206,7 @@ def test_sweep_rows_of_runs_not_loaded_are_refused(small_sweep, tmp_path):
 def test_a_sweep_checked_again_from_its_parent_dir_counts_each_verdict_once(small_sweep, checks, tmp_path):
     # The parent's gate judges the sweep's runs again: its table and the sweep's own hold the same verdicts.
     sweep_dir = tmp_path / "sweep"
-    shutil.copytree(small_sweep, sweep_dir, ignore=shutil.ignore_patterns(".rlsweep.lock"))
+    copy_outputs(small_sweep, sweep_dir)
     assert check_main([str(tmp_path)]) == 2
     assert (tmp_path / SWEEP_CHECKS_TABLE).is_file()
     again = analysis.load_checks(tmp_path)
@@ -232,7 +232,7 @@ def run_again(job: Path) -> None:
 def test_sweep_rows_are_of_their_own_sweeps_runs_where_sweeps_share_run_ids(small_sweep, tmp_path):
     # Two sweeps of one config (two commits' under outputs/) have the same run ids; their verdicts differ here.
     for name in ("a", "b"):
-        shutil.copytree(small_sweep, tmp_path / name, ignore=shutil.ignore_patterns(".rlsweep.lock"))
+        copy_outputs(small_sweep, tmp_path / name)
     run_again(tmp_path / "b" / "1")
     assert check_main([str(tmp_path / "b")]) == check_main([str(tmp_path)]) == 2
     checks = analysis.load_checks(tmp_path)
@@ -246,7 +246,7 @@ def test_sweep_rows_are_of_their_own_sweeps_runs_where_sweeps_share_run_ids(smal
 
 def test_sweep_rows_of_runs_run_again_since_are_refused(small_sweep, tmp_path):
     # A dir's gate judged its sweep; the sweep's job ran again (same run ids) and its own gate wrote anew.
-    shutil.copytree(small_sweep, tmp_path / "a", ignore=shutil.ignore_patterns(".rlsweep.lock"))
+    copy_outputs(small_sweep, tmp_path / "a")
     assert check_main([str(tmp_path)]) == 2
     run_again(tmp_path / "a" / "1")
     assert check_main([str(tmp_path / "a")]) == 2
@@ -293,7 +293,7 @@ def test_bad_arguments_to_the_helpers_are_typed_errors_naming_them(tokens, case)
 def test_runs_left_out_of_a_frame_are_named_in_a_warning(small_sweep, tmp_path):
     """A frame of part of the runs must not read as the whole: the ones left out are named, as check names them."""
     sweep_dir = tmp_path / "sweep"
-    shutil.copytree(small_sweep, sweep_dir, ignore=shutil.ignore_patterns(".rlsweep.lock"))
+    copy_outputs(small_sweep, sweep_dir)
     whole = analysis.load_tokens(sweep_dir)
     (sweep_dir / "1" / MANIFEST_FILE).unlink()  # job 1 died before its manifest
     with pytest.warns(analysis.IncompleteRunsWarning, match=r"\d+ thing\(s\) under .* missing or incomplete") as caught:

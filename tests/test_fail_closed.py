@@ -27,7 +27,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from rlsweep_fixtures import (
+    CONTROL_DECLARED,
     chmodded,
+    copy_outputs,
     job_line,
     multirun,
     needs_launcher,
@@ -77,7 +79,6 @@ from rlsweep.tables import (
 # One worker builds the module's green sweep once and runs every test here.
 pytestmark = pytest.mark.xdist_group("fail_closed")
 SMALL = ("profile=cpu_bf16", "layout=smoke", "tp=1,2")
-CONTROL_DECLARED = "expected_red=[{profiles:[negative_control_cpu],judgment:forward_invariance,reason:control}]"
 
 
 def assert_not_green(done: subprocess.CompletedProcess, code: ExitCode) -> None:
@@ -108,7 +109,7 @@ def green_sweep(tmp_path_factory) -> Path:
 @pytest.fixture
 def sweep(green_sweep, tmp_path) -> Path:
     copy = tmp_path / "sweep"
-    shutil.copytree(green_sweep, copy, ignore=shutil.ignore_patterns(".rlsweep.lock"))
+    copy_outputs(green_sweep, copy)
     return copy
 
 
@@ -142,7 +143,7 @@ def test_under_a_dir_of_several_sweeps_each_is_judged_on_its_own(green_sweep, tm
 def test_a_link_to_runs_outside_the_dir_is_named_not_passed_over(green_sweep, sweep, tmp_path, capsys):
     # The search under a dir does not follow links: a linked sweep's runs would be left out, and the dir GREEN.
     tree = tmp_path / "tree"
-    shutil.copytree(green_sweep, tree / "here", ignore=shutil.ignore_patterns(".rlsweep.lock"))
+    copy_outputs(green_sweep, tree / "here")
     (tree / "latest").symlink_to(tree / "here")  # judged where it lies
     (tree / "elsewhere").symlink_to(sweep)
     code, output = check(tree, capsys)
@@ -173,7 +174,7 @@ def test_a_dir_that_cannot_be_read_is_incomplete_naming_it_never_passed_over(
     ("1 runs"), or a job read as having no run dir; the analysis API loaded the rest without a warning."""
     tree = tmp_path / "tree"
     for name in ("a", "b"):
-        shutil.copytree(green_sweep, tree / name, ignore=shutil.ignore_patterns(".rlsweep.lock"))
+        copy_outputs(green_sweep, tree / name)
     hidden_away = tree / where
     with chmodded(hidden_away, mode):
         code, output = check(tree, capsys)
@@ -746,7 +747,7 @@ def test_nothing_is_written_inside_another_runs_dir_or_its_dataset_folders(green
     them as its rows, and its check said INCOMPLETE) and exited GREEN; a run or a sweep inside another run's dir
     was judged with it."""
     run = tmp_path / "run"
-    shutil.copytree(green_run, run, ignore=shutil.ignore_patterns(".rlsweep.lock"))
+    copy_outputs(green_run, run)
     before = snapshot(run)
     target = run / inside
     if key == "tables_dir":

@@ -15,7 +15,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from rlsweep_fixtures import multirun, run_rlsweep, table_file
+from rlsweep_fixtures import CONTROL_DECLARED, copy_outputs, multirun, run_rlsweep, table_file
 
 from rlsweep.exitcodes import ExitCode
 from rlsweep.gate import run_gate
@@ -23,8 +23,6 @@ from rlsweep.manifest import HYDRA_CONFIG, MANIFEST_FILE, file_sha256
 from rlsweep.tables import CHECKS_TABLE
 
 pytestmark = pytest.mark.xdist_group("planned_verdicts")
-
-CONTROL_DECLARED = "expected_red=[{profiles:[negative_control_cpu],judgment:forward_invariance,reason:control}]"
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +37,7 @@ def red_as_declared(tmp_path_factory) -> Path:
 @pytest.fixture
 def sweep(red_as_declared, tmp_path) -> Path:
     copy = tmp_path / "sweep"
-    shutil.copytree(red_as_declared, copy, ignore=shutil.ignore_patterns(".rlsweep.lock"))
+    copy_outputs(red_as_declared, copy)
     return copy
 
 
@@ -96,7 +94,7 @@ def red_by_a_declaration(tmp_path_factory) -> Path:
 @pytest.fixture
 def single_run(red_by_a_declaration, tmp_path) -> Path:
     copy = tmp_path / "run"
-    shutil.copytree(red_by_a_declaration, copy, ignore=shutil.ignore_patterns(".rlsweep.lock"))
+    copy_outputs(red_by_a_declaration, copy)
     return copy
 
 

@@ -7,13 +7,12 @@ import base64
 import importlib.metadata
 import platform
 import re
-import shutil
 from pathlib import Path
 
 import forkserver
 import pytest
 import torch
-from rlsweep_fixtures import multirun, run_rlsweep, table_file
+from rlsweep_fixtures import copy_outputs, multirun, run_rlsweep, table_file
 
 from rlsweep import analysis, environment, plots
 from rlsweep.exitcodes import ExitCode
@@ -93,7 +92,7 @@ def test_a_job_dir_is_reported_as_part_of_its_sweep_never_as_its_verdict(small_s
 
 def test_a_crashed_job_is_incomplete_and_still_reported(small_sweep, tmp_path):
     copy = tmp_path / "sweep"
-    shutil.copytree(small_sweep, copy, ignore=shutil.ignore_patterns(".rlsweep.lock"))
+    copy_outputs(small_sweep, copy)
     missing = table_file(analysis.run_dirs(copy)[-1], CHECKS_TABLE)
     missing.unlink()
     assert main([str(copy)]) == ExitCode.INCOMPLETE
@@ -126,7 +125,7 @@ def test_an_out_in_another_sweeps_dir_or_tables_is_refused(small_sweep, tmp_path
     """--out into another sweep's tokens/ made that sweep unreadable to every reader (and INCOMPLETE to its check);
     into its dir or a job's, the report read as that sweep's or run's."""
     other = tmp_path / "other"
-    shutil.copytree(small_sweep, other, ignore=shutil.ignore_patterns(".rlsweep.lock"))
+    copy_outputs(small_sweep, other)
     out = other / inside
     before = sorted(str(p.relative_to(other)) for p in other.rglob("*"))
     assert main([str(small_sweep), "--out", str(out)]) == ExitCode.ERROR
