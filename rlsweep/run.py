@@ -19,7 +19,7 @@ import torch
 import kernels
 from rlsweep.arithmetic import ArithmeticCollector, ComparandCache, judges_logits
 from rlsweep.environment import available_memory, environment
-from rlsweep.errors import ConfigError
+from rlsweep.errors import ConfigError, RlsweepError
 from rlsweep.execute import CellResult, Filler, check_fits, peak_bytes, run_cell, run_reference
 from rlsweep.exitcodes import ExitCode
 from rlsweep.judgments import (
@@ -38,6 +38,7 @@ from rlsweep.judgments import (
 from rlsweep.layouts import filler_rows_needed, plan_cells
 from rlsweep.manifest import RunIdentity
 from rlsweep.model import build_lm_head, check_weight_file, config_fingerprint
+from rlsweep.planned import plan_problems
 from rlsweep.records import checks_table, tokens_table
 from rlsweep.sensitivity import refuse_blind_inputs
 from rlsweep.spec import EXECUTION_DTYPES, ProfileSpec, RunSpec
@@ -185,6 +186,10 @@ def execute(spec: RunSpec, location: RunLocation, identity: RunIdentity, *, stan
         run, computed.results, computed.reference, computed.workload, computed.bound, computed.gradient
     )
     checks = checks_table(run, verdicts)
+    # What the gate will hold the table to, held to before it is written: a verdict the harness lost is its fault.
+    problems = plan_problems(spec.config, contract, checks.to_pandas(), standalone=standalone)
+    if problems:
+        raise RlsweepError(f"the run's verdicts are not the ones its config plans (a harness fault): {problems[0]}")
     files = publish_tables(
         location, {TOKENS_TABLE: with_metadata(tokens, metadata), CHECKS_TABLE: with_metadata(checks, metadata)}
     )

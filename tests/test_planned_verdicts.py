@@ -15,7 +15,16 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from rlsweep_fixtures import CONTROL_DECLARED, copy_outputs, multirun, run_rlsweep, table_file
+from rlsweep_fixtures import (
+    CONTROL_DECLARED,
+    copy_outputs,
+    multirun,
+    run_rlsweep,
+    suite_overrides,
+    table_file,
+    tables_left,
+    with_fault,
+)
 
 from rlsweep.exitcodes import ExitCode
 from rlsweep.gate import run_gate
@@ -120,3 +129,16 @@ def test_a_sweep_job_whose_saved_config_is_gone_is_incomplete(sweep):
     result = run_gate(sweep)
     assert result.exit_code == ExitCode.INCOMPLETE
     assert any("job #0" in line for line in result.incomplete), result.incomplete
+
+
+def test_a_run_that_lost_planned_verdicts_is_an_error_before_it_writes_a_table(tmp_path):
+    # A harness a few lines off: kernel_bias rows dropped between judging and writing. The run is held to its plan
+    # as the gate would hold it, so it ends with exit 1 and no table, not GREEN with a table the gate calls INCOMPLETE.
+    fault = (
+        "import rlsweep.run as run; judge = run.judge_cells; "
+        "run.judge_cells = lambda *a, **k: [v for v in judge(*a, **k) if v.judgment != 'kernel_bias']"
+    )
+    done = with_fault(fault, "rlsweep", f"hydra.run.dir={tmp_path}", *suite_overrides(["layout=smoke"]))
+    assert done.returncode == ExitCode.ERROR, done.stdout + done.stderr
+    assert "planned verdict(s) missing: kernel_bias" in done.stderr and len(done.stderr.splitlines()) == 1
+    assert tables_left(tmp_path) == []
