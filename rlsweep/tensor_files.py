@@ -103,6 +103,11 @@ class TensorFile:
         ReplayInputError naming the file."""
         check_regular_file(self.path, self.describe())
         try:
+            # safetensors words every failed open as "No such file or directory"; the OS says which it was.
+            os.close(os.open(self.path, os.O_RDONLY | os.O_NONBLOCK))
+        except OSError as err:
+            raise ReplayInputError(f"{self.describe()} cannot be read: {err.strerror or err}") from err
+        try:
             with safe_open(self.path, framework="pt") as handle:
                 yield handle
         except (SafetensorError, OSError) as err:

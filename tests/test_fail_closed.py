@@ -45,7 +45,7 @@ from safetensors.torch import save_file
 from rlsweep import analysis
 from rlsweep.check import main as check_main
 from rlsweep.discovery import JOBS_FILE, MULTIRUN_FILE, refuse_run_over_sweep, refuse_sweep_over_run, write_job_list
-from rlsweep.errors import OutputDirError, TablesNotFoundError
+from rlsweep.errors import OutputDirError, ReplayInputError, TablesNotFoundError
 from rlsweep.exitcodes import ExitCode, combine
 from rlsweep.gate import (
     REPORT_FILES,
@@ -75,6 +75,7 @@ from rlsweep.tables import (
     read_table,
     write_tables,
 )
+from rlsweep.tensor_files import TensorFile
 
 # One worker builds the module's green sweep once and runs every test here.
 pytestmark = pytest.mark.xdist_group("fail_closed")
@@ -203,6 +204,17 @@ def test_a_file_that_cannot_be_read_is_incomplete_saying_so(sweep, capsys, what)
         code, output = check(sweep, capsys)
     assert code == ExitCode.INCOMPLETE, output
     assert f"{str(unreadable)!r} cannot be read: Permission denied" in output, output
+
+
+@needs_permissions
+def test_an_unreadable_tensor_file_is_named_as_unreadable(tmp_path):
+    """A sweep's pre-flight opens the weight and replay files with safetensors, which words every failed open as
+    "No such file or directory": a file that exists but may not be read was reported as missing."""
+    path = tmp_path / "head.safetensors"
+    save_file({"lm_head.weight": torch.randn(31, 8)}, path)
+    weights = TensorFile(str(path), "weight file", "model.weights.path")
+    with chmodded(path, 0o000), pytest.raises(ReplayInputError, match="cannot be read: Permission denied"):
+        weights.headers()
 
 
 @needs_permissions
