@@ -28,6 +28,7 @@ if __name__ in ("__main__", "rlsweep.__main__"):
     stop_at_once(PROG)
 
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -41,7 +42,7 @@ from rlsweep import CONF_DIR
 from rlsweep.callbacks import SESSION, require_callback
 from rlsweep.check import gate_directory
 from rlsweep.config import register_configs, run_spec, saved_config_sha256
-from rlsweep.errors import ConfigError, RlsweepError
+from rlsweep.errors import ConfigError, RlsweepError, UsageError
 from rlsweep.job import run_job
 from rlsweep.manifest import HYDRA_CONFIG
 from rlsweep.run import choose_triton_mode
@@ -110,8 +111,29 @@ def run_exit(cfg: DictConfig, stop: SystemExit) -> str:
     return f"the run ended early through {describe_exit(stop)}, before its verdicts"
 
 
+def check_command_line(argv: list[str]) -> None:
+    """Hydra's command line, read as Hydra reads it, its errors one line each (Hydra's parser would print its usage
+    and exit 2). Overrides are one group: argparse leaves those after a flag that follows the group unread
+    (``tp=1,2 --multirun seed=3``), so they are refused saying where they go, not as bare unrecognized arguments."""
+    parser = one_line_usage(get_args_parser())
+    args, unread = parser.parse_known_args(argv)
+    late = [arg for arg in unread if not arg.startswith("-")]
+    if late and len(late) == len(unread):  # an unknown flag among them: argparse's own line names it
+        position = max(index for index, arg in enumerate(argv) if arg == late[0])
+        flag = next((arg for arg in reversed(argv[:position]) if arg.startswith("-")), "the flags")
+        rest = list(argv)
+        for override in [*args.overrides, *late]:
+            rest.remove(override)
+        said = "an override after {} is" if len(late) == 1 else "overrides after {} are"
+        raise UsageError(
+            f"{shlex.join(late)}: {said.format(flag)} not read (argparse takes the overrides as one group); put "
+            f"every override before {flag}: {shlex.join([PROG, *args.overrides, *late, *rest])}"
+        )
+    parser.parse_args(argv)
+
+
 def command() -> ExitCode:
-    one_line_usage(get_args_parser()).parse_args(sys.argv[1:])  # Hydra's own parser would print its usage, exit 2
+    check_command_line(sys.argv[1:])
     app()
     if SESSION.failed:  # one line each, in the launching process, whichever launcher ran the jobs; no gate
         for line in SESSION.failed.values():

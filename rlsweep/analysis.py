@@ -39,7 +39,7 @@ from rlsweep.listing import list_tree
 from rlsweep.manifest import MANIFEST_FILE, verify_run
 from rlsweep.spec import CANONICAL_CELL
 from rlsweep.tables import CHECKS_SCHEMA, CHECKS_TABLE, TOKENS_SCHEMA, TOKENS_TABLE, TableError, read_table
-from rlsweep.verdicts import FORWARD_TENSORS, Judgment
+from rlsweep.verdicts import FORWARD_TENSORS, Judgment, Outcome, outcome
 
 RUN_DIR = "run_dir"  # added column: the directory the row's run tables were read from
 LEVEL = "level"  # added checks column: RUN_LEVEL (checks.parquet) or SWEEP_LEVEL (sweep_checks.parquet)
@@ -52,6 +52,9 @@ SUMMARY_GROUPS = ("profile", "model", "tp", "judgment")
 RUN_GROUP = ("profile", *COMPARABLE_COLUMNS)  # runs whose tokens are comparable across tp (the gate's rule)
 DIFF_COLUMNS = (RUN_DIR, "profile", "model", "workload", "tp", "tp_mode", "cell", *KEY, "target_id")
 LEADING_CATEGORIES = {"judgment": tuple(Judgment), LEVEL: (RUN_LEVEL, SWEEP_LEVEL)}
+# The verdicts on a run's cell against another cell (its own run's canonical one, the same cell of its tp baseline):
+# the outcome of a heatmap cell (``cell_outcomes``).
+INVARIANCE_JUDGMENTS = (Judgment.FORWARD_INVARIANCE, Judgment.TP_INVARIANCE)
 
 Selector = Mapping[str, Any]
 # What a load_tokens frame has beyond the table's own columns, and the ones the comparisons read.
@@ -415,6 +418,21 @@ def dlogp_vs_canonical(tokens: pd.DataFrame, tensor: str = "logp") -> pd.DataFra
         )
     grid = pd.concat(rows, ignore_index=True)
     return grid[[*RUN_GROUP, "tp", "tp_mode", RUN_DIR, "cell", "max_abs_dlogp", "mismatched_tokens", "active_tokens"]]
+
+
+def cell_outcomes(checks: pd.DataFrame) -> pd.DataFrame:
+    """The verdict of each run's cell that ``dlogp_vs_canonical`` compares: one row per (run_dir, cell) with an
+    ``outcome`` (``rlsweep.verdicts.Outcome``), the worst of its INVARIANCE_JUDGMENTS verdicts on logp and lse.
+
+    A cell without such a verdict (the canonical cell of a group's baseline run, compared with itself) has no row.
+    """
+    require_frame(checks, [RUN_DIR, "judgment", "tensor", "lhs_cell", "passed", "expected_pass"], "a load_checks frame")
+    rows = checks[checks["judgment"].isin(INVARIANCE_JUDGMENTS) & checks["tensor"].isin(FORWARD_TENSORS)]
+    worst = list(Outcome)  # worst first
+    rank = [worst.index(outcome(*row)) for row in zip(rows["passed"], rows["expected_pass"], strict=True)]
+    ranked = pd.DataFrame({RUN_DIR: rows[RUN_DIR].astype(str), "cell": rows["lhs_cell"].astype(str), "rank": rank})
+    cells = ranked.groupby([RUN_DIR, "cell"], sort=False)["rank"].min().reset_index()
+    return cells.assign(outcome=[worst[rank] for rank in cells["rank"]]).drop(columns="rank")
 
 
 def dlogp_vs_reference(tokens: pd.DataFrame) -> pd.DataFrame:

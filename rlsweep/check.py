@@ -18,34 +18,29 @@ PROG = "python -m rlsweep.check"
 if __name__ == "__main__":
     stop_at_once(PROG)
 
+from rlsweep.causes import MAX_CAUSES, cause_lines
 from rlsweep.discovery import holder
 from rlsweep.errors import TablesNotFoundError
 from rlsweep.gate import SUMMARY_FILE, SWEEP_CHECKS_TABLE, GateResult, run_gate, verdict_counts, write_sweep_outputs
 from rlsweep.locks import locked
 from rlsweep.tables import table_folder, unwritable_reason
-from rlsweep.verdicts import expectation
 
-MAX_LISTED = 10
+MAX_LISTED = 10  # incomplete lines a console prints; summary.md has them all
 
 
 def console_summary(result: GateResult) -> str:
-    """Verdicts per profile x tp, then the first verdicts that are not as expected, then what is missing."""
+    """Verdicts per profile x tp, then the verdicts not as expected, one line per cause, then what is missing."""
     counts = verdict_counts(result)
     per_run = counts.groupby(["profile", "tp"], observed=True)[["passed", "failed", "unexpected"]].sum().reset_index()
     lines = [f"{'profile':<24} {'tp':>3} {'verdicts':>8} {'failed':>7} {'not as expected':>16}"]
     for row in per_run.itertuples():
         lines.append(f"{row.profile:<24} {row.tp:>3} {row.passed + row.failed:>8} {row.failed:>7} {row.unexpected:>16}")
     unexpected = result.unexpected
-    for row in unexpected.head(MAX_LISTED).itertuples():
-        lines.append(
-            f"  RED {row.profile} tp={row.tp} {row.judgment} {row.tensor} {row.lhs_cell} "
-            f"({expectation(row.expected_pass)}): {row.detail}"
-        )
-    if len(unexpected) > MAX_LISTED:
-        lines.append(f"  ... {len(unexpected) - MAX_LISTED} more in summary.md")
+    causes = cause_lines(unexpected.to_dict("records"), limit=MAX_CAUSES, rest=SUMMARY_FILE)
+    lines += [f"  RED {line}" for line in causes]
     lines += [f"  INCOMPLETE {line}" for line in result.incomplete[:MAX_LISTED]]
     if len(result.incomplete) > MAX_LISTED:
-        lines.append(f"  ... {len(result.incomplete) - MAX_LISTED} more in summary.md")
+        lines.append(f"  ... {len(result.incomplete) - MAX_LISTED} more in {SUMMARY_FILE}")
     lines.append(
         f"sweep gate: {result.runs_judged}, {len(unexpected)} "
         f"verdicts not as expected, {len(result.incomplete)} missing or incomplete -> {result.exit_code.word}"

@@ -24,6 +24,7 @@ import pyarrow as pa
 import torch
 
 import kernels
+from rlsweep.causes import cause_lines
 from rlsweep.contract import Contract, contract_from_mapping, op_class
 from rlsweep.discovery import discover, enclosing_sweep, lexical, part_of_a_sweep
 from rlsweep.errors import ContractError, OutputDirError, TablesNotFoundError
@@ -345,13 +346,28 @@ def tp_pairs(runs: Sequence[RunTables]) -> Iterable[tuple[RunTables, list[RunTab
 
 def parity_pairs(runs: Sequence[RunTables]) -> Iterable[tuple[RunTables, RunTables]]:
     """Every pair of runs of distinct profiles that ran the same tokens at the same tp and tp_mode: a profile may have
-    several such runs (a sweep over ``profile.vocab_tile`` or ``layout.cells``), and each is paired."""
+    several such runs (a sweep over ``profile.vocab_tile`` or ``layout.cells``), and each is paired.
+
+    The pair's first run is the one its rows are charged to: the first by profile name, unless only the other computed
+    active tokens of the canonical cell (``at_fault_first``)."""
     groups: dict[tuple, list[RunTables]] = {}
     for run in runs:
         groups.setdefault((*sweep_group(run), run.run["tp"], run.run["tp_mode"]), []).append(run)
     for members in groups.values():
         members.sort(key=lambda r: (r.run["profile"], baseline_order(r.run["tp"], r.run["tp_mode"], str(r.directory))))
-        yield from ((lhs, rhs) for lhs, rhs in combinations(members, 2) if lhs.run["profile"] != rhs.run["profile"])
+        pairs = ((lhs, rhs) for lhs, rhs in combinations(members, 2) if lhs.run["profile"] != rhs.run["profile"])
+        yield from (at_fault_first(lhs, rhs, CANONICAL_CELL) for lhs, rhs in pairs)
+
+
+def computed_active(run: RunTables, cell: str) -> bool:
+    """Whether ``run`` computed an active token of ``cell`` (provenance may have stopped it before that cell)."""
+    return bool(run.tokens.loc[run.tokens["cell"] == cell, "active"].any())
+
+
+def at_fault_first(lhs: RunTables, rhs: RunTables, cell: str) -> tuple[RunTables, RunTables]:
+    """The pair with the run a one-sided fault is of first: where only ``lhs`` computed active tokens of ``cell``,
+    a comparison of the two fails for want of ``rhs``'s, and its rows are ``rhs``'s (run columns, run dir)."""
+    return (rhs, lhs) if computed_active(lhs, cell) and not computed_active(rhs, cell) else (lhs, rhs)
 
 
 def aligned(lhs: RunTables, rhs: RunTables, cell: str) -> pd.DataFrame:
@@ -376,6 +392,8 @@ def compare_cell(judgment: str, lhs: RunTables, rhs: RunTables, cell: str, scope
         return torch.from_numpy(joined[name].to_numpy(copy=True))
 
     keys = (column("sample_id"), column("position"))
+    # Whose active tokens are missing, where none are shared: such a row is charged to that run (``at_fault_first``).
+    missing = [run.label for run in (lhs, rhs) if not (len(joined) or computed_active(run, cell))]
     verdicts = []
     for tensor in FORWARD_TENSORS:
         left, right = column(f"{tensor}_lhs"), column(f"{tensor}_rhs")
@@ -384,6 +402,8 @@ def compare_cell(judgment: str, lhs: RunTables, rhs: RunTables, cell: str, scope
         tolerance = lhs.contract.tolerance(judgment, tensor, dtype, op=op, scope=scope)
         verdict = compare_tokens(judgment, tensor, roles, (cell, cell), left, right, tolerance, keys, bound)
         bitwise = len(joined) > 0 and kernels.first_bit_difference(left, right) is None
+        if missing:
+            verdict = replace(verdict, detail=f"{verdict.detail}: {' and '.join(missing)} computed none of {cell}")
         detail = f"{lhs.label} vs {rhs.label} ({rhs.run['run_id']}); {verdict.detail}; also bitwise: {bitwise}"
         verdicts.append(replace(verdict, detail=detail))
     return verdicts
@@ -568,8 +588,11 @@ def summary_markdown(result: GateResult) -> str:
             f"{int(bitwise.sum())}.",
         ]
     unexpected = result.unexpected
-    lines += ["", f"Verdicts not as expected: {len(unexpected)}."]
-    for row in unexpected.itertuples():
-        lines.append(f"- {row.profile} tp={row.tp} {row.judgment} {row.tensor} {row.lhs_cell}: {row.detail}")
+    if len(unexpected):  # one line per cause (rlsweep.causes); the tables hold every row
+        where = f"every row: {CHECKS_TABLE}/, {SWEEP_CHECKS_TABLE}"
+        lines += ["", f"Verdicts not as expected: {len(unexpected)}, by cause ({where}).", ""]
+        lines += [f"- {line}" for line in cause_lines(unexpected.to_dict("records"))]
+    else:
+        lines += ["", "Verdicts not as expected: 0."]
     lines += ["", f"Exit code: {int(result.exit_code)} ({result.exit_code.word})."]
     return "\n".join(lines) + "\n"

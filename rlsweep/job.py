@@ -6,7 +6,9 @@ docs/sweeps.md ("Complete") says what a reader may trust: only tables that a mat
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict
 
+from rlsweep.causes import MAX_CAUSES, cause_lines
 from rlsweep.discovery import lexical, refuse_run_over_sweep
 from rlsweep.exitcodes import ExitCode
 from rlsweep.gate import remove_sweep_outputs
@@ -16,10 +18,9 @@ from rlsweep.run import RunOutcome, execute
 from rlsweep.spec import RunSpec
 from rlsweep.tables import CHECKS_TABLE, RUN_TABLES, RunLocation, check_writable
 
-MAX_LISTED = 20
-
 
 def summary(outcome: RunOutcome) -> str:
+    """The run's verdict in one line, its tables, then its verdicts not as expected, one line per cause."""
     verdicts = outcome.verdicts
     unexpected = outcome.unexpected
     lines = [
@@ -27,13 +28,8 @@ def summary(outcome: RunOutcome) -> str:
         f"{len(unexpected)} not as expected -> {outcome.exit_code.word}",
         f"tables: {outcome.location.root}: {', '.join(str(path) for path in outcome.files.values())}",
     ]
-    for verdict in unexpected[:MAX_LISTED]:
-        lines.append(
-            f"  {verdict.judgment} {verdict.lhs_cell or '-'} {verdict.tensor or '-'} ({verdict.expectation}): "
-            f"{verdict.detail}"
-        )
-    if len(unexpected) > MAX_LISTED:
-        lines.append(f"  ... {len(unexpected) - MAX_LISTED} more in {outcome.files[CHECKS_TABLE]}")
+    rows = [asdict(verdict) for verdict in unexpected]
+    lines += [f"  {line}" for line in cause_lines(rows, limit=MAX_CAUSES, rest=str(outcome.files[CHECKS_TABLE]))]
     return "\n".join(lines)
 
 

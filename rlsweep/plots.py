@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import matplotlib
 
@@ -12,16 +13,28 @@ matplotlib.use("Agg")  # no display: the report runs in CI and over ssh
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
-from matplotlib.colors import LogNorm
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import LinearSegmentedColormap, LogNorm, to_rgba
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from rlsweep.analysis import RUN_DIR
 from rlsweep.layouts import CANONICAL_CELL
+from rlsweep.verdicts import Outcome
 
 DPI = 100
-EQUAL_COLOR = "#cdebd3"  # bitwise equal to the canonical cell: a pale green, no value to read
-MISMATCH_CMAP = "OrRd"
-DARK_FRACTION = 0.55  # above this point of the colour scale the cell is dark enough for white text
+# A heatmap cell's hue is its verdict (``analysis.cell_outcomes``), its shade within the hue its max |dlogp|: the
+# lightest shade is bitwise equal, darker is further apart. (lightest, darkest) per outcome:
+OUTCOME_SHADES = {
+    Outcome.PASSED: ("#e5f5e0", "#1b7837"),
+    Outcome.FAILED_AS_DECLARED: ("#fdf1cf", "#a86f00"),  # amber: red, as the sweep declared it would be
+    Outcome.NOT_AS_EXPECTED: ("#fde0dd", "#b00020"),
+}
+SHADE_SCALE = ("#f2f2f2", "#3a3a3a")  # the colour bar: the shades of every hue, in grey
+NO_VERDICT_COLOR = "#e3e3e3"  # the baseline's own canonical cell: compared with itself, judged by no verdict
+ABSENT_COLOR = "#ffffff"  # a cell the run did not compute
+SHADE_FLOOR = 0.25  # the lightest shade of a cell whose bits differ: never the bitwise-equal one
+DARK_FRACTION = 0.55  # above this shade the cell is dark enough for white text
 HEATMAP_FLOOR = 1e-8  # log scale needs a positive lower end when every differing value is tiny
 HISTOGRAM_COLOR, ATOL_COLOR = "#4c72b0", "#c44e52"
 
@@ -35,45 +48,87 @@ def column_labels(columns: pd.DataFrame) -> list[str]:
     ]
 
 
-def heatmap(grid: pd.DataFrame) -> Figure:
-    """Max |dlogp| vs the canonical cell of the smallest tp: rows cells, columns profile x tp (x model, tp_mode).
+def blend(scale: tuple[str, str], shade: float) -> np.ndarray:
+    """The RGBA ``shade`` in [0, 1] of the way from a scale's lightest colour (0) to its darkest (1)."""
+    light, dark = (np.array(to_rgba(color)) for color in scale)
+    return light + shade * (dark - light)
 
-    ``grid`` is ``analysis.dlogp_vs_canonical``; duplicate runs of one column (a whole outputs/ tree) take the max.
-    """
+
+@dataclass
+class HeatmapCells:
+    """What the heatmap draws, layout cells (rows) x runs (columns): max |dlogp| (NaN: the run lacks the cell), the
+    tokens whose bits differ, the verdict (None: no verdict compares the cell) and the log scale of the shades."""
+
+    cells: list[str]
+    columns: pd.DataFrame  # profile, model, tp, tp_mode
+    values: np.ndarray
+    mismatched: np.ndarray
+    verdicts: np.ndarray  # of Outcome or None
+    norm: LogNorm
+
+    @property
+    def shades(self) -> np.ndarray:
+        """0 where every active token is bitwise equal, else SHADE_FLOOR..1 by max |dlogp| on the log scale."""
+        scaled = self.norm(np.where(self.values > 0, self.values, self.norm.vmin))
+        return np.where(self.mismatched > 0, SHADE_FLOOR + (1 - SHADE_FLOOR) * scaled, 0.0)
+
+    @property
+    def colors(self) -> np.ndarray:
+        """RGBA [cells, columns]: the verdict's hue at the cell's shade."""
+        colors = np.empty((*self.values.shape, 4))
+        for (i, j), shade in np.ndenumerate(self.shades):
+            verdict = self.verdicts[i, j]
+            if np.isnan(self.values[i, j]):
+                colors[i, j] = to_rgba(ABSENT_COLOR)
+            else:
+                colors[i, j] = to_rgba(NO_VERDICT_COLOR) if verdict is None else blend(OUTCOME_SHADES[verdict], shade)
+        return colors
+
+
+def heatmap_cells(grid: pd.DataFrame, outcomes: pd.DataFrame) -> HeatmapCells:
+    """``analysis.dlogp_vs_canonical`` and ``analysis.cell_outcomes`` as cells x runs; duplicate runs of one column
+    (a whole outputs/ tree) take the largest values and the worst verdict."""
     keys = ["profile", "model", "tp", "tp_mode"]
-    table = grid.groupby([*keys, "cell"], observed=True).agg(
-        value=("max_abs_dlogp", "max"), mismatched=("mismatched_tokens", "max")
+    worst = list(Outcome)  # worst first; len(worst): no verdict
+    judged = grid.astype({RUN_DIR: str, "cell": str}).merge(outcomes, on=[RUN_DIR, "cell"], how="left")
+    judged["rank"] = [len(worst) if pd.isna(verdict) else worst.index(verdict) for verdict in judged["outcome"]]
+    table = judged.groupby([*keys, "cell"], observed=True).agg(
+        value=("max_abs_dlogp", "max"), mismatched=("mismatched_tokens", "max"), rank=("rank", "min")
     )
     columns = table.reset_index()[keys].drop_duplicates().reset_index(drop=True)
     cells = [cell for cell in grid["cell"].cat.categories if cell in set(grid["cell"])]
     values = np.full((len(cells), len(columns)), np.nan)
-    mismatched = np.zeros_like(values)
+    mismatched, verdicts = np.zeros_like(values), np.full(values.shape, None, dtype=object)
     for (j, column), (i, cell) in ((jc, ic) for jc in columns.iterrows() for ic in enumerate(cells)):
         key = (*column[keys], cell)
         if key in table.index:
-            values[i, j], mismatched[i, j] = table.loc[key, "value"], table.loc[key, "mismatched"]
+            values[i, j], mismatched[i, j], rank = table.loc[key, ["value", "mismatched", "rank"]]
+            verdicts[i, j] = worst[int(rank)] if rank < len(worst) else None
     differing = values[(mismatched > 0) & (values > 0)]
     vmax = max(float(differing.max()) if differing.size else 1.0, HEATMAP_FLOOR * 10)
     vmin = max(min(float(differing.min()) / 3 if differing.size else vmax / 10, vmax / 10), HEATMAP_FLOOR)
+    return HeatmapCells(cells, columns, values, mismatched, verdicts, LogNorm(vmin=vmin, vmax=vmax, clip=True))
+
+
+def heatmap(grid: pd.DataFrame, outcomes: pd.DataFrame) -> Figure:
+    """Max |dlogp| vs the canonical cell of the smallest tp: rows cells, columns profile x tp (x model, tp_mode).
+
+    Each cell's hue is its verdict (``outcomes``), its shade within the hue the magnitude (``heatmap_cells``).
+    """
+    drawn = heatmap_cells(grid, outcomes)
+    cells, columns, values, shades = drawn.cells, drawn.columns, drawn.values, drawn.shades
     width = max(6.0, 1.0 * len(columns) + 3.5)
-    fig, ax = plt.subplots(figsize=(width, 0.42 * len(cells) + 2.2), dpi=DPI, layout="constrained")
-    ax.imshow(
-        np.where(mismatched == 0, 1.0, np.nan), cmap=matplotlib.colors.ListedColormap([EQUAL_COLOR]), aspect="auto"
-    )
-    shown = np.ma.masked_where(mismatched == 0, np.where(values > 0, values, vmin))
-    image = ax.imshow(shown, cmap=MISMATCH_CMAP, norm=LogNorm(vmin=vmin, vmax=vmax), aspect="auto")
-    norm = image.norm
-    for i in range(len(cells)):
-        for j in range(len(columns)):
-            dark = False
-            if np.isnan(values[i, j]):
-                text = "—"
-            elif mismatched[i, j] == 0:
-                text = "0"
-            else:
-                text = f"{values[i, j]:.1e}\n{int(mismatched[i, j])} tok"
-                dark = norm(max(values[i, j], vmin)) > DARK_FRACTION
-            ax.text(j, i, text, ha="center", va="center", fontsize=7.5, color="white" if dark else "black")
+    fig, ax = plt.subplots(figsize=(width, 0.42 * len(cells) + 2.4), dpi=DPI, layout="constrained")
+    ax.imshow(drawn.colors, aspect="auto", interpolation="nearest")
+    for i, j in np.ndindex(values.shape):
+        if np.isnan(values[i, j]):
+            text = "—"
+        elif drawn.mismatched[i, j] == 0:
+            text = "0"
+        else:
+            text = f"{values[i, j]:.1e}\n{int(drawn.mismatched[i, j])} tok"
+        dark = drawn.verdicts[i, j] is not None and shades[i, j] > DARK_FRACTION
+        ax.text(j, i, text, ha="center", va="center", fontsize=7.5, color="white" if dark else "black")
     ax.set_xticks(range(len(columns)), column_labels(columns), fontsize=8, rotation=30, ha="left")
     ax.set_yticks(range(len(cells)), cells, fontsize=8)
     ax.tick_params(top=True, labeltop=True, bottom=False, labelbottom=False)
@@ -84,16 +139,23 @@ def heatmap(grid: pd.DataFrame) -> Figure:
     )
     ax.set_ylabel("layout cell")
     legend = [
-        Patch(facecolor=EQUAL_COLOR, edgecolor="#999999", label="0: bitwise equal on every active token"),
-        Patch(facecolor="white", edgecolor="#999999", label="—: cell not in that run"),
+        Patch(facecolor=blend(OUTCOME_SHADES[verdict], 0.5), edgecolor="#999999", label=f"verdict {verdict}")
+        for verdict in Outcome
     ]
-    fig.legend(handles=legend, loc="outside lower center", ncols=2, fontsize=8, frameon=False)
+    legend += [
+        Patch(facecolor=NO_VERDICT_COLOR, edgecolor="#999999", label="no verdict: the baseline's canonical cell"),
+        Patch(facecolor=ABSENT_COLOR, edgecolor="#999999", label="—: cell not in that run"),
+    ]
+    fig.legend(handles=legend, loc="outside lower center", ncols=3, fontsize=8, frameon=False)
     ax.set_title(
         f"max |dlogp| of logp vs the canonical cell ({CANONICAL_CELL}) at the smallest tp\n"
-        "'tok' = active tokens whose bits differ from the canonical cell's",
+        "colour: the cell's forward_invariance and tp_invariance verdicts (the worst); shade: max |dlogp|\n"
+        "0 = bitwise equal on every active token; 'tok' = active tokens whose bits differ from the canonical cell's",
         fontsize=9,
     )
-    fig.colorbar(image, ax=ax, label="max |dlogp| (log scale)", shrink=0.8)
+    ramp = LinearSegmentedColormap.from_list("shade", [blend(SHADE_SCALE, shade) for shade in (SHADE_FLOOR, 1)])
+    label = "max |dlogp| (log scale): the shade"
+    fig.colorbar(ScalarMappable(norm=drawn.norm, cmap=ramp), ax=ax, label=label, shrink=0.8)
     return fig
 
 

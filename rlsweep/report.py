@@ -229,7 +229,10 @@ def build_sections(root: Path, result: GateResult, checks: pd.DataFrame) -> list
             "Layout and TP invariance: max |dlogp| vs the canonical cell",
             [
                 f"Every cell of every run against {CANONICAL_CELL} of the same profile's smallest-tp run, on the "
-                "active tokens (logp). A green 0 means every active token is bitwise equal."
+                "active tokens (logp). A cell's colour is its verdict (the worst of its forward_invariance and "
+                "tp_invariance verdicts): green passed, amber failed as declared (expected red), red not as expected; "
+                "grey: the baseline's canonical cell, which no verdict compares. The shade within a colour is the "
+                "max |dlogp| (lightest: 0, every active token bitwise equal)."
             ],
             image=HEATMAP_PNG,
         ),
@@ -361,7 +364,8 @@ def write_report(root: Path, out: Path, result: GateResult) -> list[Path]:
     atol = accuracy_rows.groupby("profile", observed=True)["threshold"].max().to_dict()
     images = {}
     if len(tokens):  # without tokens (provenance stopped every kernel) there is nothing to plot, only verdicts
-        images[HEATMAP_PNG] = plots.png_bytes(plots.heatmap(analysis.dlogp_vs_canonical(tokens)))
+        heatmap = plots.heatmap(analysis.dlogp_vs_canonical(tokens), analysis.cell_outcomes(checks))
+        images[HEATMAP_PNG] = plots.png_bytes(heatmap)
         images[HISTOGRAM_PNG] = plots.png_bytes(plots.histograms(analysis.dlogp_vs_reference(tokens), atol))
     sections = build_sections(root, result, checks)
     for section in sections:

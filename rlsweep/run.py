@@ -50,7 +50,7 @@ from rlsweep.tables import (
     publish_tables,
     with_metadata,
 )
-from rlsweep.verdicts import Judgment, Tensor, Verdict
+from rlsweep.verdicts import Judgment, Tensor, Verdict, stopped_by_provenance
 from rlsweep.workload import build_workload, workload_shape
 
 log = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ def execute(spec: RunSpec, location: RunLocation, identity: RunIdentity, *, stan
     verdicts += judged
     if computed.stopped:
         planned = planned_verdicts(spec.layout.cell_names, contract, grad=spec.grad, logits=judges_logits(spec))
-        verdicts += not_run_verdicts(judged, planned, f"provenance stopped the kernels ({computed.stopped})")
+        verdicts += not_run_verdicts(judged, planned, stopped_by_provenance(computed.stopped))
     verdicts = apply_expected(verdicts, spec.expectations)
     verdicts += declaration_rows(verdicts, spec.declarations, profile.name, spec.tp, standalone=standalone)
     metadata = {

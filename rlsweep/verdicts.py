@@ -60,6 +60,13 @@ NO_CELL = ""  # lhs_cell/rhs_cell of verdicts that are not about a cell (contrac
 REPORTED_ONLY = "reported, not judged"
 # The detail's start of a verdict that was never computed (provenance stopped the kernels): value NaN, passed false.
 NOT_RUN_DETAIL = "not run: "
+# Why verdicts were not run where the provenance check refused the backend: it, then the provenance verdict's detail.
+STOPPED_BY_PROVENANCE = "provenance stopped the kernels"
+
+
+def stopped_by_provenance(why: str) -> str:
+    """The reason a not-run row gives when the provenance check stopped the kernels for ``why``."""
+    return f"{STOPPED_BY_PROVENANCE} ({why})"
 
 
 def judged(detail: str) -> bool:
@@ -111,3 +118,18 @@ class Verdict:
 def expectation(expected_pass: bool) -> str:
     """How a listing of verdicts not as expected says what was expected of one."""
     return "expected pass" if expected_pass else "expected red, passed"
+
+
+class Outcome(StrEnum):
+    """How a verdict came out against its declaration, the worst first (the report's plots take their hue from it)."""
+
+    NOT_AS_EXPECTED = "not as expected"  # failed though expected to pass, or passed though declared red
+    FAILED_AS_DECLARED = "failed as declared"
+    PASSED = "passed"
+
+
+def outcome(passed: bool, expected_pass: bool) -> Outcome:
+    """The ``Outcome`` of one verdict."""
+    if not as_expected(bool(passed), bool(expected_pass)):
+        return Outcome.NOT_AS_EXPECTED
+    return Outcome.PASSED if passed else Outcome.FAILED_AS_DECLARED

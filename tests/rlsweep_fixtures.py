@@ -13,12 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import forkserver
+import numpy as np
+import pandas as pd
 import pytest
 import torch
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
 from safetensors.torch import save_file
 
+from rlsweep import plots
 from rlsweep.config import register_configs, run_spec
 from rlsweep.locks import LOCK_FILE
 from rlsweep.manifest import MANIFEST_FILE, identify, read_manifest, table_files
@@ -26,6 +29,7 @@ from rlsweep.model import LmHead, build_lm_head
 from rlsweep.run import RunOutcome, execute, preflight
 from rlsweep.spec import RunSpec
 from rlsweep.tables import RUN_TABLES, RunLocation
+from rlsweep.verdicts import Outcome
 from rlsweep.workload import Workload, build_workload
 
 register_configs()
@@ -189,3 +193,36 @@ def with_fault(fault: str, module: str, *args: str, timeout: int = 600) -> subpr
     script = f"import sys, runpy\n{fault}\n{start}"
     args = suite_overrides(args) if module == "rlsweep" else list(args)
     return forkserver.run("-c", script, args, timeout=timeout)
+
+
+def heatmap_verdict(checks: pd.DataFrame, column: pd.Series, cell: str) -> Outcome | None:
+    """What a heatmap cell (a run's ``cell``; ``column``: its profile, model, tp, tp_mode) must show, read off the
+    checks: red where a forward_invariance or tp_invariance verdict of it is not as expected, else amber where one
+    failed as declared, else green; None where none judged it (the baseline's canonical cell)."""
+    rows = checks[
+        checks["judgment"].isin(["forward_invariance", "tp_invariance"])
+        & checks["tensor"].isin(["logp", "lse"])
+        & (checks["lhs_cell"] == cell)
+        & np.logical_and.reduce([checks[key] == column[key] for key in ("profile", "model", "tp", "tp_mode")])
+    ]
+    if not len(rows):
+        return None
+    if (rows["passed"] != rows["expected_pass"]).any():
+        return Outcome.NOT_AS_EXPECTED
+    return Outcome.PASSED if rows["passed"].all() else Outcome.FAILED_AS_DECLARED
+
+
+def seen_verdict(rgb) -> Outcome | None:
+    """The verdict a heatmap colour shows: the hue whose shades (``plots.OUTCOME_SHADES``) lie nearest, or None for
+    the no-verdict grey. ``rgb``: 0..1 or 0..255 channels."""
+    rgb = np.asarray(rgb, dtype=float)[:3]
+    rgb = rgb / 255 if rgb.max() > 1 else rgb
+
+    def distance(scale) -> float:  # from rgb to the segment of the scale's shades
+        light, dark = plots.blend(scale, 0)[:3], plots.blend(scale, 1)[:3]
+        along = np.clip(np.dot(rgb - light, dark - light) / np.dot(dark - light, dark - light), 0, 1)
+        return float(np.linalg.norm(rgb - (light + along * (dark - light))))
+
+    found = {verdict: distance(scale) for verdict, scale in plots.OUTCOME_SHADES.items()}
+    found[None] = float(np.linalg.norm(rgb - plots.blend((plots.NO_VERDICT_COLOR,) * 2, 0)[:3]))
+    return min(found, key=found.get)

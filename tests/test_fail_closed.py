@@ -49,6 +49,7 @@ from rlsweep.errors import OutputDirError, ReplayInputError, TablesNotFoundError
 from rlsweep.exitcodes import ExitCode, combine
 from rlsweep.gate import (
     REPORT_FILES,
+    ROW_RUN_DIR,
     SUMMARY_FILE,
     SWEEP_CHECKS_TABLE,
     backend_parity,
@@ -63,6 +64,7 @@ from rlsweep.gate import (
 from rlsweep.locks import LOCK_FILE, locked
 from rlsweep.manifest import HYDRA_CONFIG, MANIFEST_FILE, file_sha256
 from rlsweep.report import main as report_main
+from rlsweep.spec import CANONICAL_CELL
 from rlsweep.tables import (
     CHECKS_SCHEMA,
     CHECKS_TABLE,
@@ -611,6 +613,21 @@ def test_a_parity_declaration_applies_to_the_rows_of_either_profile(sweep):
     assert declaration_check([stock, control], rows, [{"zz", stock.run["run_id"]}] * len(rows)) == []
 
 
+def test_a_parity_row_is_charged_to_the_run_that_computed_no_tokens(green_sweep):
+    # Its partner first by name was charged: a backend whose kernels never ran read as the other profile's red.
+    stock = min(run_gate(green_sweep).runs, key=lambda run: run.run["tp"])
+    stopped = replace(stock, directory=stock.directory.parent / "zz", run={**stock.run, "profile": "zz_stopped",
+                      "run_id": "zz"}, tokens=stock.tokens.iloc[:0])  # fmt: skip
+    ((lhs, rhs),) = parity_pairs([stock, stopped])
+    rows = verdict_rows(lhs, backend_parity(lhs, rhs))
+    assert rows and not any(row["passed"] for row in rows)
+    for row in rows:
+        assert (row["profile"], row["run_id"], row[ROW_RUN_DIR]) == ("zz_stopped", "zz", stopped.directory)
+        assert f"{stopped.label} computed none of {CANONICAL_CELL}" in row["detail"]
+    ((first, _),) = parity_pairs([stock, replace(stopped, tokens=stock.tokens)])  # both computed: the order by name
+    assert first is stock
+
+
 class CellReads(pd.DataFrame):
     """A tokens table that counts how often its cell column is read (frames made from it are plain)."""
 
@@ -893,6 +910,24 @@ def test_a_usage_error_is_exit_1_not_red_and_names_the_command():
     # One line, its usage folded in (Hydra's parser printed 7 lines of usage, then the error), naming the command.
     assert len(done.stderr.splitlines()) == 1, done.stderr
     assert done.stderr.startswith("rlsweep: error: unrecognized arguments: --no-such-flag (usage: rlsweep [--help]")
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["tp=1,2", "--multirun", "seed=3", "x=y"], "seed=3 x=y: overrides after --multirun are not read "
+         "(argparse takes the overrides as one group); put every override before --multirun: rlsweep tp=1,2 seed=3 "
+         "x=y --multirun"),
+        (["-m", "tp=1", "--cfg", "job", "seed=3"], "seed=3: an override after --cfg is not read (argparse takes the "
+         "overrides as one group); put every override before --cfg: rlsweep tp=1 seed=3 -m --cfg job"),
+    ],
+)  # fmt: skip
+def test_an_override_after_a_flag_is_a_usage_error_saying_where_it_goes(argv, line, tmp_path):
+    # argparse takes the overrides as one group: those after the flag ended in its bare 'unrecognized arguments'.
+    done = forkserver.run("-m", "rlsweep", argv, cwd=tmp_path, timeout=120)
+    assert_not_green(done, ExitCode.ERROR)
+    assert done.stderr.splitlines() == [f"rlsweep: error: {line}"]
+    assert not any(tmp_path.iterdir())  # refused before Hydra wrote anything
 
 
 @pytest.mark.parametrize("main", [check_main, report_main])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import importlib.metadata
+import itertools
 import platform
 import re
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import forkserver
 import pytest
 import torch
-from rlsweep_fixtures import copy_outputs, multirun, run_rlsweep, table_file
+from rlsweep_fixtures import copy_outputs, heatmap_verdict, multirun, run_rlsweep, seen_verdict, table_file
 
 from rlsweep import analysis, environment, plots
 from rlsweep.exitcodes import ExitCode
@@ -31,7 +32,7 @@ from rlsweep.report import (
     red_verdicts,
 )
 from rlsweep.tables import CHECKS_TABLE
-from rlsweep.verdicts import REPORTED_ONLY, Judgment
+from rlsweep.verdicts import REPORTED_ONLY, Judgment, Outcome
 
 # One worker builds the shared small_sweep (conftest) once and runs every test that reads it.
 pytestmark = pytest.mark.xdist_group("small_sweep")
@@ -229,7 +230,8 @@ def test_the_html_folds_every_red_verdict_and_leaves_none_out(small_sweep, repor
 
 def test_every_plot_labels_its_axes_and_explains_its_marks(small_sweep):
     tokens = analysis.load_tokens(small_sweep)
-    heatmap = plots.heatmap(analysis.dlogp_vs_canonical(tokens))
+    outcomes = analysis.cell_outcomes(analysis.load_checks(small_sweep))
+    heatmap = plots.heatmap(analysis.dlogp_vs_canonical(tokens), outcomes)
     grid, colorbar = heatmap.axes
     assert grid.get_xlabel() and grid.get_ylabel() and colorbar.get_ylabel()
     assert [text.get_text() for legend in heatmap.legends for text in legend.get_texts()]
@@ -241,6 +243,28 @@ def test_every_plot_labels_its_axes_and_explains_its_marks(small_sweep):
         labels = [text.get_text() for text in ax.get_legend().get_texts()]
         assert len(labels) == 2 and "0.125" in labels[1], labels
     plots.png_bytes(heatmap), plots.png_bytes(histograms)  # closes both figures
+
+
+def test_the_heatmap_colours_each_cell_by_its_verdict_and_shades_it_by_its_magnitude(small_sweep):
+    # The hue was the magnitude: an all-GREEN sweep's tp=2 column of a profile that claims no bitwise tp invariance
+    # was dark red. Here the control's tp=1 reds are taken as declared, so every outcome is drawn.
+    checks = analysis.load_checks(small_sweep)
+    declared = (checks["profile"] == "negative_control_cpu") & (checks["tp"] == 1) & ~checks["passed"]
+    checks.loc[declared, "expected_pass"] = False
+    grid = analysis.dlogp_vs_canonical(analysis.load_tokens(small_sweep))
+    drawn = plots.heatmap_cells(grid, analysis.cell_outcomes(checks))
+    figure = plots.heatmap(grid, analysis.cell_outcomes(checks))
+    colors = figure.axes[0].images[0].get_array()
+    seen = {}
+    for (i, cell), (j, column) in itertools.product(enumerate(drawn.cells), drawn.columns.iterrows()):
+        expected = heatmap_verdict(checks, column, cell)
+        assert seen_verdict(colors[i, j]) == expected, (column.to_dict(), cell)
+        seen.setdefault(expected, []).append(drawn.shades[i, j])
+    assert set(seen) == {*Outcome, None}
+    # cpu_bf16's tp=2 cells differ from tp=1 (the bound allows it) and pass: a shade of green, not the lightest.
+    passed = drawn.verdicts[:, (drawn.columns["profile"] == "cpu_bf16") & (drawn.columns["tp"] == 2)]
+    assert (passed == Outcome.PASSED).all() and min(seen[Outcome.PASSED]) == 0 < max(seen[Outcome.PASSED])
+    plots.png_bytes(figure)  # closes it
 
 
 def test_a_seed_sweep_is_reported_with_each_seed_against_its_own_baseline(tmp_path):

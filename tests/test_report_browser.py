@@ -7,16 +7,20 @@ installs both. Without them the tests skip and say which is missing, except wher
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import os
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from rlsweep_fixtures import heatmap_verdict, seen_verdict
 
-from rlsweep import analysis
+from rlsweep import analysis, plots
 from rlsweep.report import PLOTS, RED_GROUPS, REPORT_HTML, main, red_verdicts
+from rlsweep.verdicts import Outcome
 
 # One worker builds the shared small_sweep (conftest) once and runs every test that reads it.
 pytestmark = pytest.mark.xdist_group("small_sweep")
@@ -94,6 +98,39 @@ def test_every_plot_is_loaded_and_shown(page):
         image.scroll_into_view_if_needed()
         loaded = image.evaluate("img => img.complete && img.naturalWidth > 0 && img.naturalHeight > 0")
         assert loaded and image.is_visible() and image.bounding_box()["height"] > 100, image.get_attribute("alt")
+
+
+# The colour of each pixel of an image as the page decoded it, at (x, y) from its top left: read through a canvas.
+PIXELS = """(img, points) => {
+    const canvas = document.createElement("canvas");
+    canvas.width = img.naturalWidth;
+    canvas.height = img.naturalHeight;
+    const context = canvas.getContext("2d");
+    context.drawImage(img, 0, 0);
+    return points.map(([x, y]) => Array.from(context.getImageData(x, y, 1, 1).data));
+}"""
+
+
+def test_each_heatmap_cell_shows_the_colour_of_its_verdict(page, small_sweep):
+    # The hue was the magnitude: a tp=2 run whose tp verdicts passed within their bound was drawn dark red.
+    checks = analysis.load_checks(small_sweep)
+    grid = analysis.dlogp_vs_canonical(analysis.load_tokens(small_sweep))
+    drawn = plots.heatmap_cells(grid, analysis.cell_outcomes(checks))
+    figure = plots.heatmap(grid, analysis.cell_outcomes(checks))
+    data = base64.b64encode(plots.png_bytes(figure)).decode("ascii")  # laid out as saved: the transforms are the PNG's
+    image = page.locator(f'img[src="data:image/png;base64,{data}"]')  # the page's heatmap is this figure's PNG
+    assert image.count() == 1
+    to_pixels, height = figure.axes[0].transData, figure.bbox.height
+    cells = list(np.ndindex(drawn.values.shape))
+    # Left of each cell's centre, clear of its text; PNG rows count from the top.
+    points = [[int(x), int(height - y)] for x, y in (to_pixels.transform((j - 0.4, i)) for i, j in cells)]
+    image.scroll_into_view_if_needed()
+    colors = image.evaluate(PIXELS, points)
+    expected = [heatmap_verdict(checks, drawn.columns.iloc[j], drawn.cells[i]) for i, j in cells]
+    assert [seen_verdict(color) for color in colors] == expected
+    assert {Outcome.PASSED, Outcome.NOT_AS_EXPECTED, None} <= set(expected)
+    tp2 = [k for k, (i, j) in enumerate(cells) if tuple(drawn.columns.iloc[j][["profile", "tp"]]) == ("cpu_bf16", 2)]
+    assert all(drawn.mismatched[cells[k]] > 0 and expected[k] == Outcome.PASSED for k in tp2) and tp2
 
 
 def test_the_red_verdicts_unfold_and_every_one_is_listed(page, small_sweep, console_errors):

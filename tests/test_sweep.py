@@ -15,14 +15,17 @@ from rlsweep_fixtures import compose_run, job_line, multirun, needs_launcher, ta
 
 from rlsweep import environment
 from rlsweep.callbacks import RlsweepCallback, preflight_jobs
+from rlsweep.causes import cause_lines, group_by_cause
+from rlsweep.check import console_summary
 from rlsweep.check import main as check_main
 from rlsweep.config import job_list, run_spec
 from rlsweep.errors import ConfigError
 from rlsweep.exitcodes import ExitCode
-from rlsweep.gate import SUMMARY_FILE, SWEEP_CHECKS_TABLE
+from rlsweep.gate import SUMMARY_FILE, SWEEP_CHECKS_TABLE, run_gate
 from rlsweep.job import run_job
 from rlsweep.manifest import identify
 from rlsweep.tables import CHECKS_TABLE, PART_FILE, TOKENS_TABLE, RunLocation
+from rlsweep.verdicts import FORWARD_TENSORS
 
 SMALL = ("layout=smoke", "tp=1,2")
 
@@ -386,3 +389,66 @@ def test_distributed_gloo_ranks_inside_a_sweep_match_emulated_bitwise(tmp_path):
     rows = sweep_checks(tmp_path).query("judgment == 'tp_invariance'")
     assert set(rows["tp_mode"]) == {"distributed"} and set(rows["lhs_cell"]) == run_cells(tmp_path)
     assert rows["passed"].all() and (rows["metric"] == "mismatched_tokens").all()
+
+
+def red_row(judgment: str, detail: str, **columns) -> dict:
+    """A checks row as the listings read it: failed though expected to pass unless ``columns`` say otherwise."""
+    row = {"profile": "p", "tp": 1, "judgment": judgment, "tensor": "logp", "lhs_cell": "BN/packed", "metric": "m"}
+    return {**row, "passed": False, "expected_pass": True, "detail": detail, **columns}
+
+
+def test_red_verdicts_are_one_line_per_cause_and_different_causes_never_merge():
+    bitwise = "bitwise logp: {} of 27 active tokens differ; first at (sample_id={}, position=8); max |diff| {}"
+    tp = "p tp={} (emulated) vs p tp=1 (emulated) ({}); " + bitwise.format(3, 0, "2e-06") + "; also bitwise: False"
+    stopped = "not run: provenance stopped the kernels (no logprob backend for 'p' at tp={})"
+    declaration = "expected_red {{judgment: smoke, profiles: ['p'] tp=[{}], cells: ['*'], tensors: ['*']}} (x)"
+    same = bitwise.format(1, 1, "1e-06")
+    stopped_tp = enumerate(FORWARD_TENSORS, 1)
+    never_ran = [red_row(j, stopped.format(n), tensor=t, tp=n) for n, t in stopped_tp for j in ("smoke", "kernel_bias")]
+    # the red provenance verdict that stopped them: one cause with the rows it kept from running
+    refused = red_row("provenance", "no logprob backend for 'p' at tp=2", tensor="", lhs_cell="", metric="", tp=2)
+    rows = [
+        # three causes: the numbers, run ids, cells and tp degrees of their rows differ; one reason stopped 4 judgments
+        *(red_row("forward_invariance", bitwise.format(n, n, f"{n}e-06"), lhs_cell=f"c{n}", tp=n) for n in (1, 2, 4)),
+        *(red_row("tp_invariance", tp.format(n, f"{n:016x}"), tp=n) for n in (2, 4)),
+        *never_ran,
+        refused,
+        # then a cause per row that differs from the first cause's rows in one thing, named
+        red_row("forward_invariance", same, expected_pass=False, passed=True),  # passed though declared red
+        red_row("forward_invariance", same, expected_pass=False),  # failed as declared
+        red_row("forward_invariance", same, profile="q"),  # profile
+        red_row("forward_invariance", same.replace("logp", "lse"), tensor="lse"),  # tensor
+        red_row("forward_accuracy", same),  # judgment, with the same detail
+        red_row("smoke", "not run: provenance stopped the kernels (the node did not run)"),  # the reason it never ran
+        red_row("expected_red", declaration.format(1) + " matched 0 verdict(s)", tensor="smoke"),
+        red_row("expected_red", declaration.format(2) + " matched 0 verdict(s)", tensor="smoke"),  # declaration
+    ]  # fmt: skip
+    causes = group_by_cause(rows)
+    assert [len(cause.rows) for cause in causes] == [3, 2, 5] + [1] * 8
+    assert causes[0].line.startswith(
+        "3 verdicts: p forward_invariance logp (expected pass) at tp=1 c1, tp=2 c2, tp=4 c4; first: bitwise logp: 1 of"
+    )
+    assert causes[2].line.startswith("5 verdicts: p provenance (expected pass) at tp=1 smoke logp BN/packed m,")
+    assert causes[2].line.endswith(
+        "and 2 more; first: provenance stopped the kernels (no logprob backend for 'p' at tp=1)"
+    )
+    assert "(expected red, passed)" in causes[3].line and "(failed as declared)" in causes[4].line
+    left = len(rows) - len(causes[0].rows) - len(causes[1].rows)
+    assert cause_lines(rows, limit=2, rest="summary.md")[2:] == [f"... 9 more causes ({left} verdicts) in summary.md"]
+
+
+@pytest.mark.xdist_group("small_sweep")
+def test_the_gate_lists_red_verdicts_by_cause_in_its_console_and_summary(small_sweep):
+    # The sweep's control fails forward_invariance in its non-canonical cells at each tp, in logp and in lse: a line
+    # per tensor, each with its count, in place of a line per verdict.
+    result = run_gate(small_sweep)
+    unexpected = result.unexpected
+    by_tensor = unexpected.groupby("tensor", observed=True).size()
+    assert set(unexpected["judgment"]) == {"forward_invariance"} and (by_tensor > 1).all()
+    causes = [f"{count} verdicts: negative_control_cpu forward_invariance {tensor} (expected pass) at tp=1 "
+              for tensor, count in by_tensor.items()]  # fmt: skip
+    console = [line.removeprefix("  RED ") for line in console_summary(result).splitlines() if "RED " in line]
+    assert len(console) == len(causes) and all(map(str.startswith, console, causes)), console
+    summary = (small_sweep / SUMMARY_FILE).read_text()  # the multirun's gate wrote it
+    listed = [line[2:] for line in summary.split("by cause (every row: ")[-1].splitlines() if line.startswith("- ")]
+    assert len(listed) == len(causes) and all(map(str.startswith, listed, causes)), summary
