@@ -5,7 +5,7 @@ Public API; everything else in this package is an implementation detail.
 
 # Importing a backend's module registers it; this order is the order ``auto`` dispatch tries them in.
 # isort: off
-from kernels import triton_backend, aten, reference, control  # noqa: F401
+from kernels import triton_backend, aten, reference, control, stacks  # noqa: F401
 
 # isort: on
 from kernels.arithmetic import ArithmeticBound, bias_allowance, reduction_bound
@@ -55,7 +55,7 @@ from kernels.errors import (
     TPConfigError,
 )
 from kernels.grad import has_tiled_backward
-from kernels.launches import KernelLaunch, launch_torch, launch_triton
+from kernels.launches import KernelLaunch, launch_triton
 from kernels.lm_head import DEFAULT_VOCAB_TILE, NONFINITE_OUTPUTS, lm_head_logprob, logprob, matmul
 from kernels.provenance import (
     NodeProvenance,
@@ -127,7 +127,6 @@ __all__ = [
     "get_logprob_op",
     "gradient_bound",
     "has_tiled_backward",
-    "launch_torch",
     "launch_triton",
     "lm_head_logprob",
     "logit_errors",

@@ -19,7 +19,6 @@ from kernels.backend import (
 )
 from kernels.capability import ImplementationKind, LogprobBackendCapability
 from kernels.contract import EXECUTION_DTYPE_NAMES, DeterminismScope, MergeOrder
-from kernels.launches import launch_torch
 from kernels.provenance import NodeProvenance, observe
 from kernels.sharding import ShardingSpec
 
@@ -28,8 +27,9 @@ from kernels.sharding import ShardingSpec
     "aten",
     kernels={
         "matmul": STOCK_MATMUL_OPS,
-        "logprob": SEGMENT_PARTIALS_OPS | {"aten::log_softmax.int"},  # log_softmax: tp = 1
-        "tp_merge": MEGATRON_MERGE_OPS | {"aten::logsumexp"},  # logsumexp: tp = 1
+        # tp = 1 is one call (logits_logprob), recorded for both nodes: log_softmax and logsumexp.
+        "logprob": SEGMENT_PARTIALS_OPS | {"aten::log_softmax", "aten::logsumexp"},
+        "tp_merge": MEGATRON_MERGE_OPS | {"aten::log_softmax", "aten::logsumexp"},
     },
     # Megatron-style per-shard (max, sumexp): the grouping of the vocab sum changes with tp.
     capability=LogprobBackendCapability(
@@ -59,16 +59,9 @@ class AtenBackend:
         lse = megatron_merge(partials)
         return lse, observe("tp_merge", self.id, lse)
 
-    # TP = 1 as a user writes it; lse is its own node because it is what a sharded call's merge produces.
-    def full_vocab_logprob(
-        self, logits: torch.Tensor, safe_targets: torch.Tensor
-    ) -> tuple[torch.Tensor, NodeProvenance]:
-        """logits[T, V] -> logp[T]: fp32 log_softmax, then gather."""
-        log_probs = launch_torch(torch.ops.aten.log_softmax.int, logits.float(), -1)
-        logp = log_probs.gather(1, safe_targets[:, None]).squeeze(1)
-        return logp, observe("logprob", self.id, logp)
-
-    def full_vocab_lse(self, logits: torch.Tensor) -> tuple[torch.Tensor, NodeProvenance]:
-        """logits[T, V] -> lse[T]: torch.logsumexp over the fp32 logits."""
-        lse = launch_torch(torch.ops.aten.logsumexp.default, logits.float(), [-1])
-        return lse, observe("tp_merge", self.id, lse)
+    # TP = 1 as a user writes it (the trainer's recipe, kernels.recipes): one call, both outputs.
+    def logits_logprob(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits[T, V] -> fp32 log_softmax then gather for logp, torch.logsumexp for lse."""
+        x = logits.float()
+        logp = torch.log_softmax(x, -1).gather(1, targets[:, None]).squeeze(1)
+        return logp, torch.logsumexp(x, -1)

@@ -19,7 +19,7 @@ import torch
 from kernels.capability import DispatchPolicy, LogprobBackendCapability
 from kernels.contract import PLATFORMS, LogprobContractError
 from kernels.errors import BackendUnavailableError
-from kernels.launches import launch_torch
+from kernels.launches import aten_overloads, reducing_op
 from kernels.sharding import ShardingSpec
 
 if TYPE_CHECKING:  # kernels.provenance looks declarations up in BACKENDS, so it imports this module
@@ -28,10 +28,11 @@ if TYPE_CHECKING:  # kernels.provenance looks declarations up in BACKENDS, so it
 # The op nodes a logprob call is made of; profiles name a required backend for each.
 OP_NODES = ("matmul", "logprob", "tp_merge")
 
-# What the shared helpers below launch, by the names ``launch_torch`` records; backends built on them declare these.
+# What the shared helpers below run, by the names the dispatcher observes (``kernels.launches``); backends built on
+# them declare these.
 STOCK_MATMUL_OPS = frozenset({"aten::mm"})
-SEGMENT_PARTIALS_OPS = frozenset({"aten::amax", "aten::sum.dim_IntList"})
-MEGATRON_MERGE_OPS = frozenset({"aten::amax", "aten::sum.dim_IntList"})
+SEGMENT_PARTIALS_OPS = frozenset({"aten::amax", "aten::sum"})
+MEGATRON_MERGE_OPS = frozenset({"aten::amax", "aten::sum"})
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,41 @@ class LogprobBackend(Protocol):
         """Partials of every rank, in rank order -> lse[T]."""
 
 
+class LogitsLogprob(Protocol):
+    """The trainer's recipe (``kernels.recipes``): logits over a vocab -> (logp, lse), computed as the trainer's own
+    code computes them; optionally ``lm_head(hidden, weight) -> logits`` for the matmul node (else the stock
+    matmul). The harness applies it per shard at tp > 1 and records every node; a backend with its own
+    ``shard_partials`` and ``merge`` as well uses them at tp > 1 and this at tp = 1 (``aten`` does)."""
+
+    id: str
+    declared_kernels: Mapping[str, frozenset[str]]
+    capability: LogprobBackendCapability
+
+    def logits_logprob(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits[T, V] in the execution dtype, targets[T] int64 in [0, V) -> (logp[T], lse[T]) in fp32."""
+
+
+# The methods that make each recipe: one of these sets, complete, is what a registered class must have.
+RECIPES = {
+    "three nodes": ("matmul", "shard_partials", "merge"),
+    "fused": ("fused_partials", "shard_partials", "merge"),
+    "trainer": ("logits_logprob",),
+}
+
+
+def check_recipe(backend_id: str, cls: type) -> None:
+    """A LogprobContractError unless ``cls`` implements one recipe in full (``RECIPES``): a half-written one would
+    fail only at its first call, or run another path than its author meant."""
+    if any(all(callable(getattr(cls, name, None)) for name in names) for names in RECIPES.values()):
+        return
+    offered = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in RECIPES.items())
+    have = [name for names in RECIPES.values() for name in names if callable(getattr(cls, name, None))]
+    raise LogprobContractError(
+        f"backend {backend_id!r} ({cls.__name__}) implements no recipe in full (it has "
+        f"{', '.join(dict.fromkeys(have)) or 'none of their methods'}); implement one of: {offered}"
+    )
+
+
 # backend id -> instance, in registration order (the order ``auto`` dispatch tries production backends in).
 BACKENDS: dict[str, LogprobBackend] = {}
 
@@ -113,6 +149,7 @@ def register_backend(
         raise LogprobContractError(f"capability must be a LogprobBackendCapability; got {capability!r}")
 
     def decorate(cls: type) -> type:
+        check_recipe(backend_id, cls)
         if backend_id in BACKENDS and not replace:
             raise LogprobContractError(
                 f"backend {backend_id!r} is already registered; pass replace=True to redeclare it"
@@ -157,8 +194,29 @@ def _declared_kernels(backend_id: str, kernels: Mapping[str, Iterable[str]]) -> 
             raise ValueError(
                 f"backend {backend_id!r}, node {node!r}: declare a non-empty set of kernel names, not {names!r}"
             )
+        for name in names:
+            refuse_unobservable(backend_id, node, name)
         declared[node] = frozenset(names)
     return declared
+
+
+def refuse_unobservable(backend_id: str, node: str, name: str) -> None:
+    """A declared torch op is one the dispatcher observer records (``kernels.launches``): an overload name or an
+    elementwise op would never match what ran, and the node would be red however right it is."""
+    namespace, _, op = name.partition("::")
+    if namespace != "aten":
+        return
+    where = f"backend {backend_id!r}, node {node!r}: {name!r}"
+    packet = op.split(".")[0]
+    if "." in op:
+        raise ValueError(f"{where} names an overload; torch ops are observed by name: declare 'aten::{packet}'")
+    if not aten_overloads(packet):
+        raise ValueError(f"{where}: torch has no op {packet!r} (torch {torch.__version__})")
+    if not reducing_op(op):
+        raise ValueError(
+            f"{where} is not recorded: only matmuls, reductions, softmaxes and the like decide the bits and are "
+            "observed (kernels.launches.reducing_op), elementwise ops, copies and views are not; leave it out"
+        )
 
 
 def get_backend(backend_id: str) -> LogprobBackend:
@@ -203,7 +261,7 @@ def strict_fp32_accumulation():
 def stock_matmul(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """hidden[T, H] @ weight[V, H].T in the execution dtype through cuBLAS / CPU BLAS, fp32 accumulation."""
     with strict_fp32_accumulation():
-        return launch_torch(torch.ops.aten.mm.default, hidden, weight.T)
+        return torch.ops.aten.mm.default(hidden, weight.T)
 
 
 def segment_partials(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,17 +269,17 @@ def segment_partials(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.shape[1] == 0:
         rows = x.shape[0]
         return x.new_full((rows,), float("-inf")), x.new_zeros((rows,))
-    m = launch_torch(torch.ops.aten.amax.default, x, [1])
-    return m, launch_torch(torch.ops.aten.sum.dim_IntList, torch.exp(x - m[:, None]), [1])
+    m = torch.ops.aten.amax.default(x, [1])
+    return m, torch.ops.aten.sum.dim_IntList(torch.exp(x - m[:, None]), [1])
 
 
 def megatron_merge(partials: Sequence[ShardPartials]) -> torch.Tensor:
     """Partials of every rank -> lse[T]: global max, rescaled sums added, as Megatron does."""
     maxes = torch.cat([p.maxes for p in partials], dim=1)
     sumexps = torch.cat([p.sumexps for p in partials], dim=1)
-    global_max = launch_torch(torch.ops.aten.amax.default, maxes, [1])
+    global_max = torch.ops.aten.amax.default(maxes, [1])
     scale = torch.where(maxes == float("-inf"), 0.0, torch.exp(maxes - global_max[:, None]))
-    return global_max + torch.log(launch_torch(torch.ops.aten.sum.dim_IntList, sumexps * scale, [1]))
+    return global_max + torch.log(torch.ops.aten.sum.dim_IntList(sumexps * scale, [1]))
 
 
 def gather_target_logit(logits: torch.Tensor, local_targets: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:

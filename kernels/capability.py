@@ -34,6 +34,7 @@ class ImplementationKind(StrEnum):
     REFERENCE = "reference"  # the gold the others are judged against
     PRODUCTION = "production"  # a kernel meant to run in training or rollout
     NEGATIVE_CONTROL = "negative_control"  # deliberately wrong in a known way, to prove the harness sees it
+    OBSERVED_STACK = "observed_stack"  # a trainer's or library's own code, judged as it is (docs/stacks.md)
 
 
 class DispatchPolicy(StrEnum):

@@ -1,19 +1,31 @@
-"""Kernel launches observed where they happen: each launch helper runs a kernel and records what it ran.
+"""Kernel launches observed where they happen, never named by the backend that launched them.
 
-Every Triton kernel a backend launches goes through ``launch_triton``, and every torch matmul or reduction
-through ``launch_torch`` (their summation order is what decides the bits; elementwise ops, copies and
-selections are not recorded). Each records the launch under a name taken from the object it launched, never
-from a string the caller passes, into the recorder of the node call in progress (``recording_launches``).
+Two observers, one record (docs/dispatch.md#observed-provenance):
+- ``observing_dispatcher`` runs a node call under torch's profiler and keeps what the dispatcher saw: each torch
+  op whose summation order decides the bits (a matmul, a reduction, a softmax; ``reducing_op``), each custom op
+  (any operator namespace but torch's own) and each compiled graph that ran (``torch.compile``: the FX graph's
+  cache key), outermost first: what such an op or graph ran inside it is part of it. Elementwise ops, copies,
+  views and allocations are not kept.
+- ``launch_triton`` runs a Triton kernel and records the ``@triton.jit`` function it launched: under the Triton
+  interpreter no dispatcher sees it.
+Both record into the recorder of the node call in progress (``recording_launches``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import functools
+import os
+import re
+import threading
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from math import prod
 from typing import Any
+
+import torch
+from torch.autograd.profiler import profile
 
 
 @dataclass(frozen=True)
@@ -65,11 +77,92 @@ def launch_triton(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -
     record(KernelLaunch(triton_kernel_name(kernel), dict(meta)))
 
 
-def launch_torch(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``op(*args, **kwargs)`` for one aten overload (``torch.ops.aten.mm.default``), recorded as ``op.name()``."""
-    out = op(*args, **kwargs)
-    record(KernelLaunch(op.name()))
-    return out
+# Packet names (``aten::<name>``) of the torch ops whose summation order decides their bits: matmuls, reductions,
+# softmaxes, norms, losses, attention. An op every overload of which torch tags pointwise (``maximum``, ``clamp_min``)
+# is elementwise whatever its name says.
+REDUCING_NAMES = re.compile(
+    r"mm|matmul|linear|dot|mv|addr|einsum|conv|sum|mean|amax|amin|max|min|prod|norm|var|std|softmax|logsumexp|"
+    r"loss|cum|attention|median|reduce|embedding_bag|trapz|trapezoid"
+)
+# Operator namespaces that are torch's own: their ops are kept only where ``reducing_op`` says so. Any other
+# namespace is a custom op (``torch.library``), kept whatever it does.
+TORCH_NAMESPACES = frozenset({"aten", "prim", "prims", "profiler", "autograd", "c10d", "inductor", "cuda"})
+# What torch.compile does while it compiles (tracing runs ops on fake tensors): none of it is a launch.
+COMPILING = frozenset({"dynamo"})
+COMPILED_GRAPH = re.compile(r"## Call CompiledFxGraph (\S+) ##")
+# The kernel name a compiled graph is recorded under; its FX graph's cache key goes in the launch's config.
+COMPILED_GRAPH_KERNEL = "torch.compile::graph"
+
+
+@functools.cache
+def reducing_op(name: str) -> bool:
+    """Whether the aten op ``name`` (``sum``, ``log_softmax``) is a matmul or reduction (``REDUCING_NAMES``)."""
+    if not REDUCING_NAMES.search(name):
+        return False
+    overloads = aten_overloads(name)
+    return bool(overloads) and not all(torch.Tag.pointwise in overload.tags for overload in overloads)
+
+
+def aten_overloads(name: str) -> list[Any]:
+    """Every overload of the aten op ``name``; none where torch has no such op."""
+    try:
+        packet = getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return []
+    return [getattr(packet, overload) for overload in packet.overloads()]
+
+
+def observed_launch(name: str) -> KernelLaunch | None:
+    """What a profiler event named ``name`` records, or None: a reducing aten op, a custom op, a compiled graph."""
+    compiled = COMPILED_GRAPH.fullmatch(name)
+    if compiled:
+        return KernelLaunch(COMPILED_GRAPH_KERNEL, {"graph": compiled.group(1)})
+    namespace, colons, op = name.partition("::")
+    if not colons or not op or " " in name:
+        return None
+    if namespace == "aten":
+        return KernelLaunch(name) if reducing_op(op) else None
+    return None if namespace in TORCH_NAMESPACES else KernelLaunch(name)
+
+
+@functools.cache
+def quiet_profiler() -> None:
+    """The profiler logs two lines on stderr per use unless told otherwise; a user's own setting is kept."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+
+# The profiler is one per process and sees every thread: node calls made at once on two threads take turns, and ops
+# another thread runs meanwhile are seen as the node's.
+_PROFILER = threading.Lock()
+
+
+@contextmanager
+def observing_dispatcher() -> Iterator[None]:
+    """Record (``record``) what the dispatcher ran inside the block: each event ``observed_launch``
+    keeps, outermost first (one inside another kept event is part of it), in the order they started."""
+    quiet_profiler()
+    if torch.autograd.profiler._is_profiler_enabled:
+        raise RuntimeError(
+            "a node call was made while torch's profiler was already running (a node call inside another, or the "
+            "caller's own profiler): provenance observes each node call with a profiler of its own"
+        )
+    # autograd's profiler, not torch.profiler's, whose start imports torch._inductor (a second) to look for it.
+    with _PROFILER, profile(use_device=None) as profiler:
+        yield
+    kept = {}
+    for event in sorted(profiler.function_events, key=lambda event: event.time_range.start):
+        launch = observed_launch(event.name)
+        if launch is None:
+            continue
+        ancestors = []
+        parent = event.cpu_parent
+        while parent is not None:
+            ancestors.append(parent)
+            parent = parent.cpu_parent
+        if not any(a.id in kept or a.name in COMPILING for a in ancestors):
+            kept[event.id] = launch
+    for launch in kept.values():
+        record(launch)
 
 
 def distinct_launches(launches: Iterable[KernelLaunch]) -> tuple[KernelLaunch, ...]:

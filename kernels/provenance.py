@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from kernels.backend import declared_kernels
-from kernels.launches import KernelLaunch, distinct_launches, recording_launches
+from kernels.launches import KernelLaunch, distinct_launches, observing_dispatcher, recording_launches
 from kernels.validation import dtype_name
 
 
@@ -78,8 +78,9 @@ def observe(node: str, backend: str, out: torch.Tensor, **config: Any) -> NodePr
 
 
 def call_node(method: Callable[..., tuple], *args: Any) -> tuple:
-    """Call one node method of a backend (it returns ``(*outputs, NodeProvenance)``) and add what it launched."""
-    with recording_launches() as launches:
+    """Call one node method of a backend (it returns ``(*outputs, NodeProvenance)``) and add what it launched, as
+    the dispatcher and the Triton launcher saw it (``kernels.launches``)."""
+    with recording_launches() as launches, observing_dispatcher():
         *outputs, provenance = method(*args)
     return (*outputs, replace(provenance, launches=distinct_launches(launches)))
 

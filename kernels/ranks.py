@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kernels import recipes
 from kernels.backend import LogprobBackend, ShardPartials, WholeVocab
 from kernels.errors import InputChangedError, NonFiniteOutputError, ShapeMismatchError, TPConfigError
 from kernels.provenance import NodeProvenance, Provenance, across_ranks, call_node
@@ -160,7 +161,8 @@ def rank_forward(
         owned, local_targets = shard_targets(targets, sharding)
         partials, prov = call_node(impl.fused_partials, hidden, weight[lo:hi], local_targets, owned, sharding)
         return RankOutput(None, partials, replace(prov, node="matmul"), prov)  # one kernel ran both nodes
-    logits, matmul_prov = call_node(impl.matmul, hidden, weight[lo:hi])
+    matmul = functools.partial(recipes.matmul_node, impl) if recipes.is_trainer_recipe(impl) else impl.matmul
+    logits, matmul_prov = call_node(matmul, hidden, weight[lo:hi])
     return rank_logprob(impl, logits, targets, sharding, matmul_provenance=matmul_prov)
 
 
@@ -175,10 +177,13 @@ def rank_logprob(
     if sharding.world_size == 1 and hasattr(impl, "whole_vocab"):
         whole, prov, merge_prov = call_node(impl.whole_vocab, shard_logits, targets, sharding)
         return RankOutput(shard_logits, None, matmul_provenance, prov, whole, merge_prov)
-    if sharding.world_size == 1 and hasattr(impl, "full_vocab_logprob"):
-        return RankOutput(shard_logits, None, matmul_provenance, None)
+    if sharding.world_size == 1 and hasattr(impl, "logits_logprob"):
+        return RankOutput(shard_logits, None, matmul_provenance, None)  # ``finish`` makes the one call
     owned, local_targets = shard_targets(targets, sharding)
-    partials, prov = call_node(impl.shard_partials, shard_logits, local_targets, owned, sharding)
+    partials_node = (
+        functools.partial(recipes.shard_partials_node, impl) if recipes.is_trainer_recipe(impl) else impl.shard_partials
+    )
+    partials, prov = call_node(partials_node, shard_logits, local_targets, owned, sharding)
     return RankOutput(shard_logits, partials, matmul_provenance, prov)
 
 
@@ -215,8 +220,9 @@ def finish(
     active = targets != IGNORE_INDEX
     if ranks[0].partials is None:
         logits = ranks[0].logits
-        logp, logprob_prov = call_node(impl.full_vocab_logprob, logits, torch.where(active, targets, 0))
-        lse, merge_prov = call_node(impl.full_vocab_lse, logits)
+        whole_vocab = functools.partial(recipes.whole_vocab_node, impl)
+        logp, lse, logprob_prov = call_node(whole_vocab, logits, torch.where(active, targets, 0))
+        merge_prov = replace(logprob_prov, node="tp_merge")  # one call computed both
         owner = torch.where(active, 0, -1)
     else:
         owner = torch.full_like(targets, -1, dtype=torch.int64)
@@ -224,7 +230,8 @@ def finish(
         for rank, out in enumerate(ranks):
             owner = torch.where(out.partials.owned, rank, owner)
             target_logit = torch.where(out.partials.owned, out.partials.target_logit, target_logit)
-        lse, merge_prov = call_node(impl.merge, [out.partials for out in ranks])
+        merge = functools.partial(recipes.merge_node, impl) if recipes.is_trainer_recipe(impl) else impl.merge
+        lse, merge_prov = call_node(merge, [out.partials for out in ranks])
         logp = target_logit.to(lse.dtype) - lse
         logprob_prov = across_ranks([out.logprob for out in ranks])
     logp = torch.where(active, logp, torch.zeros_like(logp))

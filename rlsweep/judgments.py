@@ -335,8 +335,18 @@ def provenance_verdict(
         value=float(len(problems)),
         threshold=0.0,
         passed=not problems,
-        detail=detail or f"every call ran {required}",
+        detail=detail or f"every call ran {observed_kernels(required, observed)}",
     )
+
+
+def observed_kernels(required: dict[str, str], observed: Sequence[kernels.Provenance]) -> str:
+    """``matmul: aten (aten::mm); logprob: ...``: each required node's backend and every kernel any call of the cell
+    was seen to launch there, in first-launch order."""
+    ran = {
+        node: ", ".join(dict.fromkeys(k for p in observed if node in p.nodes for k in p.nodes[node].kernels))
+        for node in required
+    }
+    return "; ".join(f"{node}: {backend} ({ran[node]})" for node, backend in required.items())
 
 
 def weight_pin_verdict(pinned: str | None, observed: str) -> Verdict:

@@ -69,7 +69,7 @@ class ScaledMatmul(ToyBackend):
     """(a) the same scale in the matmul's epilogue, before its output is rounded to bf16."""
 
     def matmul(self, hidden, weight):
-        wide = kernels.launch_torch(torch.ops.aten.mm.default, hidden.float(), weight.float().T)
+        wide = torch.ops.aten.mm.default(hidden.float(), weight.float().T)
         logits = (wide / (1 + TEMPERATURE_ERROR)).to(hidden.dtype)
         return logits, kernels.observe("matmul", self.id, logits)
 
@@ -80,13 +80,11 @@ class Bf16AllReduce(ToyBackend):
 
     def merge(self, partials: Sequence[kernels.ShardPartials]):
         maxes = torch.cat([p.maxes for p in partials], dim=1)
-        top = kernels.launch_torch(torch.ops.aten.amax.default, maxes, [1])
+        top = torch.ops.aten.amax.default(maxes, [1])
         safe = torch.where(top == float("-inf"), 0.0, top)
         total = torch.zeros_like(top)
         for part in partials:
-            rank_sum = kernels.launch_torch(
-                torch.ops.aten.sum.dim_IntList, part.sumexps * torch.exp(part.maxes - safe[:, None]), [1]
-            )
+            rank_sum = torch.ops.aten.sum.dim_IntList(part.sumexps * torch.exp(part.maxes - safe[:, None]), [1])
             total = total + (rank_sum.to(torch.bfloat16).float() if len(partials) > 1 else rank_sum)
         lse = top + torch.log(total)
         return lse, kernels.observe("tp_merge", self.id, lse)
@@ -145,7 +143,7 @@ class RankFold(ToyBackend):
     than an ulp of lse, in a backend that claims bitwise tp invariance."""
 
     def merge(self, partials):
-        top = kernels.launch_torch(torch.ops.aten.amax.default, torch.cat([p.maxes for p in partials], dim=1), [1])
+        top = torch.ops.aten.amax.default(torch.cat([p.maxes for p in partials], dim=1), [1])
         safe = torch.where(top == float("-inf"), 0.0, top)
         total = torch.zeros_like(top)
         for part in partials:
@@ -162,7 +160,7 @@ class Tf32Matmul(ToyBackend):
     """(g) the fp32 accumulator kept at TF32's 10 mantissa bits before the bf16 output is rounded."""
 
     def matmul(self, hidden, weight):
-        wide = kernels.launch_torch(torch.ops.aten.mm.default, hidden.float(), weight.float().T)
+        wide = torch.ops.aten.mm.default(hidden.float(), weight.float().T)
         drop = 23 - TF32_MANTISSA_BITS
         bits = wide.view(torch.int32)
         rounded = ((bits + (1 << (drop - 1)) - 1 + ((bits >> drop) & 1)) >> drop) << drop  # to nearest, ties even

@@ -36,10 +36,40 @@ def test_a_toy_backend_from_a_test_module_runs_and_is_judged_end_to_end(tmp_path
     checks = pd.read_parquet(tmp_path / "checks")
     assert set(checks["profile"]) == {"toy_cpu"} and set(checks["backend_family"]) == {"toy"}
     provenance = checks[checks["judgment"] == "provenance"]
-    assert provenance["passed"].all() and provenance["detail"].str.contains("'toy'").any()
+    assert provenance["passed"].all() and provenance["detail"].str.contains("matmul: toy (aten::mm)", regex=False).any()
     sweep = pd.read_parquet(tmp_path / "sweep_checks.parquet")
     tp_rows = sweep[sweep["judgment"] == "tp_invariance"]
     assert len(tp_rows) and (tp_rows["metric"] == "mismatched_tokens").all() and (tp_rows["value"] == 0).all()
+
+
+@pytest.mark.xdist_group("extending")
+def test_a_trainer_function_written_from_the_docs_is_judged_as_it_truly_is_at_tp_1_and_2(tmp_path):
+    """tests/trainer_backend.py is docs/extending.md's trainer recipe: fp32 log_softmax then gather, and the same
+    under torch.compile(dynamic=True). Each runs at tp 1 and 2 with nothing written for tp 2, its provenance observed
+    (the compiled one as the graph that ran), and is red exactly where its bits moved: the compiled graph for a
+    1-row call is another graph, whose bits may differ on this CPU."""
+    profiles = "profile=my_trainer_cpu,my_trainer_compiled_cpu"
+    done = rlsweep(tmp_path, profiles, "tp=1,2", "layout.cells=[BN/packed,B1/chunked]", "layout.chunk_size=5")
+    checks, tokens = pd.read_parquet(tmp_path / "checks"), pd.read_parquet(tmp_path / "tokens")
+    provenance = checks[checks["judgment"] == "provenance"]
+    assert provenance["passed"].all(), provenance["detail"].tolist()
+    nodes = provenance[provenance["metric"] == "mismatched_nodes"]
+    compiled = nodes[nodes["profile"] == "my_trainer_compiled_cpu"]["detail"]
+    assert compiled.str.contains(r"logprob: my_trainer_compiled \(torch\.compile::graph\)").all(), compiled.tolist()
+    eager = checks[checks["profile"] == "my_trainer_cpu"]
+    assert eager["passed"].all(), eager[~eager["passed"]]["detail"].tolist()
+    # Red as it truly is: a cell's invariance verdict fails exactly when its stored logp bits differ from the
+    # canonical cell's, which the tables show on their own.
+    moved = set()
+    for (profile, tp), run in tokens[tokens["active"]].groupby(["profile", "tp"]):
+        cells = run.pivot_table(index=["sample_id", "position"], columns="cell", values="logp", aggfunc="first")
+        bits = cells.apply(lambda column: column.to_numpy().view("int32"))
+        if (bits["B1/chunked"] != bits["BN/packed"]).any():
+            moved.add((profile, tp))
+    invariance = checks[(checks["judgment"] == "forward_invariance") & (checks["tensor"] == "logp")]
+    failed = {(row.profile, row.tp) for row in invariance.itertuples() if not row.passed}
+    assert failed == moved
+    assert done.returncode == (ExitCode.RED if moved else ExitCode.GREEN), done.stdout + done.stderr
 
 
 def write_profile(config_dir: Path, **fields: str) -> None:

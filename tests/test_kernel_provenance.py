@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from dataclasses import replace
 
 import pytest
@@ -12,7 +11,8 @@ import torch
 from conftest import triton_runs_on
 
 import kernels
-from kernels.launches import recording_launches
+from kernels.launches import COMPILED_GRAPH_KERNEL
+from kernels.provenance import call_node
 from kernels.triton_backend import INTERPRETER_TILING, TritonBackend
 
 ROWS, HIDDEN, VOCAB, TILE = 3, 16, 40, 16
@@ -32,7 +32,7 @@ def run(make_inputs, backend: str, tp: int, **kwargs) -> kernels.LogprobResult:
 
 
 def torch_matmul(backend, hidden: torch.Tensor, weight: torch.Tensor):
-    logits = kernels.launch_torch(torch.ops.aten.mm.default, hidden, weight.T)
+    logits = torch.ops.aten.mm.default(hidden, weight.T)
     return logits, kernels.observe("matmul", backend.id, logits)
 
 
@@ -51,11 +51,19 @@ class TritonWithTorchMatmul(TritonBackend):
     matmul = torch_matmul
 
 
-class TritonWithUnrecordedMatmul(TritonBackend):
-    """A matmul node that bypasses the launch helpers, so nothing it ran is recorded."""
+class TritonWithDirectMatmul(TritonBackend):
+    """A matmul node that calls torch directly, through no helper: the dispatcher still sees it."""
 
     def matmul(self, hidden, weight):
         logits = hidden @ weight.T
+        return logits, kernels.observe("matmul", self.id, logits)
+
+
+class TritonWithCachedMatmul(TritonBackend):
+    """A matmul node that computes nothing: it hands back logits it holds (here: zeros of the right shape)."""
+
+    def matmul(self, hidden, weight):
+        logits = hidden.new_zeros((hidden.shape[0], weight.shape[0]))
         return logits, kernels.observe("matmul", self.id, logits)
 
 
@@ -111,8 +119,21 @@ def test_a_triton_backend_that_runs_torch_mm_is_reported_by_name(make_inputs):
 
 
 @needs_triton
-def test_a_node_whose_work_bypasses_the_launch_helpers_is_reported_as_launching_nothing(make_inputs):
-    kernels.register_backend("toy", kernels=TRITON_DECLARED, capability=TRITON_CAPABILITY)(TritonWithUnrecordedMatmul)
+def test_a_torch_op_called_through_no_helper_is_observed_by_the_dispatcher(make_inputs):
+    """Provenance took what a backend launched through its helpers on trust: a node that called torch directly was
+    reported as launching nothing, and one that passed an object with a made-up name() passed as that name."""
+    kernels.register_backend("toy", kernels=TRITON_DECLARED, capability=TRITON_CAPABILITY)(TritonWithDirectMatmul)
+    provenance = run(make_inputs, "toy", 1).provenance
+    declared = ", ".join(sorted(TRITON_DECLARED["matmul"]))
+    assert kernels.provenance_mismatches({}, provenance) == [
+        f"node 'matmul': backend 'toy' launched 'aten::matmul', which it does not declare for the node "
+        f"(declared: {declared})"
+    ]
+
+
+@needs_triton
+def test_a_node_that_computes_nothing_is_reported_as_launching_nothing(make_inputs):
+    kernels.register_backend("toy", kernels=TRITON_DECLARED, capability=TRITON_CAPABILITY)(TritonWithCachedMatmul)
     provenance = run(make_inputs, "toy", 1).provenance
     assert kernels.provenance_mismatches({}, provenance) == ["node 'matmul': backend 'toy' launched no kernel"]
 
@@ -162,35 +183,54 @@ def test_registration_refuses_an_incomplete_declaration(declared, message):
     assert "toy" not in kernels.BACKENDS
 
 
-def test_launches_are_recorded_per_call_and_never_leak_between_threads():
-    x = torch.ones(2, 3)
-    kernels.launch_torch(torch.ops.aten.amax.default, x, [1])  # outside any node call: recorded nowhere
-    with recording_launches() as outer:
-        kernels.launch_torch(torch.ops.aten.amax.default, x, [1])
-        with recording_launches() as inner:
-            kernels.launch_torch(torch.ops.aten.sum.dim_IntList, x, [1])
-    assert [launch.kernel for launch in outer] == ["aten::amax"]
-    assert [launch.kernel for launch in inner] == ["aten::sum.dim_IntList"]
+def node(method, *args):
+    """``call_node`` of a function that returns its output: what the node's record says it launched."""
+    *_, record = call_node(lambda *a: (out := method(*a), kernels.observe("logprob", "aten", out)), *args)
+    return list(record.kernels)
 
-    both_recording = threading.Barrier(2)
-    seen = {}
 
-    def record(op):
-        with recording_launches() as launches:
-            both_recording.wait()  # both threads are inside a recorder before either launches
-            kernels.launch_torch(op, x, [1])
-            both_recording.wait()
-        seen[op.name()] = [launch.kernel for launch in launches]
+def test_the_dispatcher_is_observed_op_by_op_outermost_first_and_only_inside_a_node_call():
+    x = torch.randn(4, 9)
+    torch.log_softmax(x, -1)  # outside any node call: recorded nowhere
+    # log_softmax runs _log_softmax, logsumexp runs amax and sum: each is recorded as what was called; elementwise
+    # ops, copies and views are not recorded at all.
+    assert node(lambda x: torch.log_softmax(x.exp().T.contiguous(), 0).sum(), x) == ["aten::log_softmax", "aten::sum"]
+    assert node(lambda x: torch.logsumexp(torch.maximum(x, -x), -1), x) == ["aten::logsumexp"]
+    assert node(lambda x: (x * 2).clamp_min(0), x) == []
 
-    threads = [
-        threading.Thread(target=record, args=(op,))
-        for op in (torch.ops.aten.amax.default, torch.ops.aten.sum.dim_IntList)
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert seen == {"aten::amax": ["aten::amax"], "aten::sum.dim_IntList": ["aten::sum.dim_IntList"]}
+
+def test_a_custom_op_is_observed_by_its_own_name():
+    with torch.library._scoped_library("rlsweep_test", "FRAGMENT") as lib:
+        lib.define("rowsum(Tensor x) -> Tensor")
+        lib.impl("rowsum", lambda x: x.sum(-1), "CPU")
+        assert node(torch.ops.rlsweep_test.rowsum, torch.randn(3, 5)) == ["rlsweep_test::rowsum"]
+
+
+@pytest.mark.slow
+def test_a_compiled_function_is_observed_as_its_compiled_graph():
+    """A function under torch.compile runs kernels no dispatcher sees; the graph that ran is recorded by its cache
+    key. The same function run eagerly is its ops."""
+    function = torch.compile(lambda x: torch.log_softmax(x, -1)[:, 0], dynamic=True)
+    x = torch.randn(5, 7)
+    (launch,) = call_node(lambda x: (y := function(x), kernels.observe("logprob", "aten", y)), x)[-1].launches
+    assert launch.kernel == COMPILED_GRAPH_KERNEL and launch.config["graph"]
+    with torch.compiler.set_stance("force_eager"):
+        assert node(function, x) == ["aten::log_softmax"]
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("aten::sum.dim_IntList", "names an overload"),
+        ("aten::exp", "is not recorded"),
+        ("aten::summ", "torch has no op 'summ'"),
+    ],
+)
+def test_a_declaration_that_could_never_match_what_the_dispatcher_sees_is_refused(name, why):
+    aten = kernels.BACKENDS["aten"]
+    declared = {**aten.declared_kernels, "tp_merge": {name}}
+    with pytest.raises(ValueError, match=re.escape(why)):
+        kernels.register_backend("toy", kernels=declared, capability=aten.capability)(type(aten))
 
 
 @pytest.mark.slow
