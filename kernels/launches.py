@@ -25,6 +25,7 @@ from math import prod
 from typing import Any
 
 import torch
+from torch._C._profiler import _ExperimentalConfig
 from torch.autograd.profiler import profile
 
 
@@ -126,13 +127,22 @@ def observed_launch(name: str) -> KernelLaunch | None:
 
 
 @functools.cache
+def profiler_config() -> _ExperimentalConfig:
+    """Every thread's ops, where this torch can (``profile_all_threads``); else the calling thread's only."""
+    try:
+        return _ExperimentalConfig(profile_all_threads=True)
+    except TypeError:  # a torch without the option
+        return _ExperimentalConfig()
+
+
+@functools.cache
 def quiet_profiler() -> None:
     """The profiler logs two lines on stderr per use unless told otherwise; a user's own setting is kept."""
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 
 # The profiler is one per process and sees every thread: node calls made at once on two threads take turns, and ops
-# another thread runs meanwhile are seen as the node's.
+# another thread runs meanwhile are seen as the node's (a backend cannot hide a reduction in a thread of its own).
 _PROFILER = threading.Lock()
 
 
@@ -147,7 +157,7 @@ def observing_dispatcher() -> Iterator[None]:
             "caller's own profiler): provenance observes each node call with a profiler of its own"
         )
     # autograd's profiler, not torch.profiler's, whose start imports torch._inductor (a second) to look for it.
-    with _PROFILER, profile(use_device=None) as profiler:
+    with _PROFILER, profile(use_device=None, experimental_config=profiler_config()) as profiler:
         yield
     kept = {}
     for event in sorted(profiler.function_events, key=lambda event: event.time_range.start):

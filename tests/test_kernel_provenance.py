@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from dataclasses import replace
 
 import pytest
@@ -197,6 +198,18 @@ def test_the_dispatcher_is_observed_op_by_op_outermost_first_and_only_inside_a_n
     assert node(lambda x: torch.log_softmax(x.exp().T.contiguous(), 0).sum(), x) == ["aten::log_softmax", "aten::sum"]
     assert node(lambda x: torch.logsumexp(torch.maximum(x, -x), -1), x) == ["aten::logsumexp"]
     assert node(lambda x: (x * 2).clamp_min(0), x) == []
+
+
+def test_a_reduction_run_on_another_thread_during_the_node_is_observed():
+    """The profiler watched the calling thread only: a node could hide an undeclared reduction in a thread."""
+
+    def hidden(x):
+        thread = threading.Thread(target=torch.logsumexp, args=(x, -1))
+        thread.start()
+        thread.join()
+        return x.amax(1)
+
+    assert node(hidden, torch.randn(4, 9)) == ["aten::logsumexp", "aten::amax"]
 
 
 def test_a_custom_op_is_observed_by_its_own_name():
