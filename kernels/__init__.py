@@ -55,7 +55,7 @@ from kernels.errors import (
     TPConfigError,
 )
 from kernels.grad import has_tiled_backward
-from kernels.launches import KernelLaunch, launch_triton
+from kernels.launches import KernelLaunch, launch_triton, observed_provenance
 from kernels.lm_head import DEFAULT_VOCAB_TILE, NONFINITE_OUTPUTS, lm_head_logprob, logprob, matmul
 from kernels.provenance import (
     NodeProvenance,
@@ -133,6 +133,7 @@ __all__ = [
     "logprob",
     "matmul",
     "observe",
+    "observed_provenance",
     "padded_vocab_size",
     "provenance_mismatches",
     "reduction_bound",

@@ -18,6 +18,7 @@ from kernels.backend import BACKENDS, OP_NODES, registered_backends
 from kernels.capability import DispatchPolicy, ImplementationKind, LogprobBackendCapability
 from kernels.contract import TP_MODES, LogprobContract, LogprobContractError
 from kernels.errors import DtypeMismatchError, KernelInputError, ShapeMismatchError
+from kernels.launches import observed_provenance
 from kernels.lm_head import sharded_lm_head_logprob
 from kernels.provenance import ProvenanceMismatchError, provenance_mismatches
 from kernels.ranks import LogprobResult
@@ -78,10 +79,11 @@ class LogprobOp:
         ``keep_logits`` and ``nonfinite`` as for ``kernels.lm_head.sharded_lm_head_logprob``."""
         self._check_binding()
         self._check_inputs(hidden, weight)
-        result = sharded_lm_head_logprob(
-            hidden, weight, targets, backend=self.backend_id, sharding=self.contract.sharding, tp_mode=self.tp_mode,
-            keep_logits=keep_logits, nonfinite=nonfinite,
-        )  # fmt: skip
+        with observed_provenance():  # what is checked below must have been observed
+            result = sharded_lm_head_logprob(
+                hidden, weight, targets, backend=self.backend_id, sharding=self.contract.sharding,
+                tp_mode=self.tp_mode, keep_logits=keep_logits, nonfinite=nonfinite,
+            )  # fmt: skip
         self.require_observed(result)
         return result
 

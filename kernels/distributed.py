@@ -42,6 +42,7 @@ from kernels.backend import LogprobBackend, ShardPartials, get_backend
 from kernels.bitwise import bit_view
 from kernels.errors import RankGroupError, ShapeMismatchError, TPConfigError
 from kernels.grad import Upstream, rank_gradients
+from kernels.launches import observed_provenance, observing
 from kernels.ranks import LogprobResult, RankOutput, finish, rank_forward
 from kernels.sharding import ShardingSpec
 from kernels.validation import version_stamp
@@ -154,7 +155,9 @@ class RankGroup:
             held = self.weight_sent is not None and self.weight_sent[0]() is weight and self.weight_sent[1] == stamp
             # Copies: the queue moves a CPU tensor's storage into shared memory, which must not be the caller's.
             new_weight = None if held and stamp is not None else weight.detach().to("cpu", copy=True)
-            message = (kind, hidden.detach().to("cpu", copy=True), targets.to("cpu", copy=True), new_weight, *extra)
+            # The caller's observed_provenance() holds in the ranks too: their nodes observe what it would.
+            tensors = (hidden.detach().to("cpu", copy=True), targets.to("cpu", copy=True), new_weight)
+            message = (kind, observing(), *tensors, *extra)
             with self._closed_on_failure():
                 try:  # every rank's copy before any is sent: a rank sent a call its peers never get waits for them
                     sent = [pickled(message) for _ in self._requests]
@@ -360,18 +363,19 @@ def serve(rank: int, impl: LogprobBackend, sharding: ShardingSpec, device: torch
     """Answer forward and backward requests until told to stop; the weight is kept from the call that sent it."""
     weight = None
     while (request := next_request(requests)) != STOP:
-        kind, hidden, targets, new_weight, *extra = request
+        kind, observed, hidden, targets, new_weight, *extra = request
         if new_weight is not None:
             weight = new_weight.to(device)
         hidden, targets = hidden.to(device), targets.to(device)
-        if kind == BACKWARD:
-            reply = rank_backward(impl, hidden, weight, targets, sharding, *(on(device, e) for e in extra))
-        else:
-            mine = rank_forward(impl, hidden, weight, targets, sharding)
-            ranks = [mine] if mine.partials is None else all_gather_partials(mine)
-            result = finish(impl, targets, sharding, ranks, tp_mode="distributed")
-            check_replicas_agree(result)
-            reply = to_cpu(result) if rank == 0 else None
+        with observed_provenance() if observed else contextlib.nullcontext():
+            if kind == BACKWARD:
+                reply = rank_backward(impl, hidden, weight, targets, sharding, *(on(device, e) for e in extra))
+            else:
+                mine = rank_forward(impl, hidden, weight, targets, sharding)
+                ranks = [mine] if mine.partials is None else all_gather_partials(mine)
+                result = finish(impl, targets, sharding, ranks, tp_mode="distributed")
+                check_replicas_agree(result)
+                reply = to_cpu(result) if rank == 0 else None
         replies.put(pickled(("ok", rank, reply)))
 
 

@@ -8,7 +8,9 @@ Two observers, one record (docs/dispatch.md#observed-provenance):
   views and allocations are not kept.
 - ``launch_triton`` runs a Triton kernel and records the ``@triton.jit`` function it launched: under the Triton
   interpreter no dispatcher sees it.
-Both record into the recorder of the node call in progress (``recording_launches``).
+Both record into the recorder of the node call in progress (``recording_launches``). The dispatcher is observed
+only inside ``observed_provenance()`` (a dispatched ``LogprobOp`` call, every rlsweep run): the profiler costs
+milliseconds a node, which a training step calling ``kernels.lm_head_logprob`` should not pay.
 """
 
 from __future__ import annotations
@@ -45,6 +47,26 @@ class KernelLaunch:
 
 # The launches of the node call in progress; a ContextVar, so threads and tasks never see each other's.
 _IN_PROGRESS: ContextVar[list[KernelLaunch] | None] = ContextVar("kernel_launches", default=None)
+
+
+# Whether node calls in this context observe the dispatcher (``observed_provenance``).
+_OBSERVED: ContextVar[bool] = ContextVar("observed_provenance", default=False)
+
+
+@contextmanager
+def observed_provenance() -> Iterator[None]:
+    """Node calls inside the block observe what the dispatcher ran (``observing_dispatcher``); outside it their
+    records hold Triton launches only and say so (``NodeProvenance.observed``), and no provenance check passes them."""
+    token = _OBSERVED.set(True)
+    try:
+        yield
+    finally:
+        _OBSERVED.reset(token)
+
+
+def observing() -> bool:
+    """Whether node calls here observe the dispatcher."""
+    return _OBSERVED.get()
 
 
 @contextmanager
@@ -149,7 +171,11 @@ _PROFILER = threading.Lock()
 @contextmanager
 def observing_dispatcher() -> Iterator[None]:
     """Record (``record``) what the dispatcher ran inside the block: each event ``observed_launch``
-    keeps, outermost first (one inside another kept event is part of it), in the order they started."""
+    keeps, outermost first (one inside another kept event is part of it), in the order they started. Outside
+    ``observed_provenance`` it observes nothing."""
+    if not observing():
+        yield
+        return
     quiet_profiler()
     if torch.autograd.profiler._is_profiler_enabled:
         raise RuntimeError(

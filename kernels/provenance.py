@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from kernels.backend import declared_kernels
-from kernels.launches import KernelLaunch, distinct_launches, observing_dispatcher, recording_launches
+from kernels.launches import KernelLaunch, distinct_launches, observing, observing_dispatcher, recording_launches
 from kernels.validation import dtype_name
 
 
@@ -27,6 +27,7 @@ class NodeProvenance:
     device: str
     config: dict[str, Any] = field(default_factory=dict)
     launches: tuple[KernelLaunch, ...] = ()
+    observed: bool = True  # False: run outside observed_provenance(), so torch ops it ran are not in ``launches``
 
     @property
     def kernels(self) -> tuple[str, ...]:
@@ -41,6 +42,7 @@ class NodeProvenance:
             "device": self.device,
             "config": dict(self.config),
             "launches": [launch.to_dict() for launch in self.launches],
+            "observed": self.observed,
         }
 
 
@@ -82,12 +84,13 @@ def call_node(method: Callable[..., tuple], *args: Any) -> tuple:
     the dispatcher and the Triton launcher saw it (``kernels.launches``)."""
     with recording_launches() as launches, observing_dispatcher():
         *outputs, provenance = method(*args)
-    return (*outputs, replace(provenance, launches=distinct_launches(launches)))
+    return (*outputs, replace(provenance, launches=distinct_launches(launches), observed=observing()))
 
 
 def across_ranks(records: Sequence[NodeProvenance]) -> NodeProvenance:
     """Rank 0's record of a node, carrying every rank's launches, so a fallback on one rank shows."""
-    return replace(records[0], launches=distinct_launches(launch for r in records for launch in r.launches))
+    launches = distinct_launches(launch for r in records for launch in r.launches)
+    return replace(records[0], launches=launches, observed=all(r.observed for r in records))
 
 
 def provenance_mismatches(required: dict[str, str], observed: Provenance) -> list[str]:
@@ -110,7 +113,13 @@ def provenance_mismatches(required: dict[str, str], observed: Provenance) -> lis
 
 
 def undeclared_launches(ran: NodeProvenance) -> list[str]:
-    """One line per kernel ``ran`` launched that its backend does not declare for its node, or for launching none."""
+    """One line per kernel ``ran`` launched that its backend does not declare for its node, or for launching none; one
+    line for a record made without observing the dispatcher, whose launches are not all there to compare."""
+    if not ran.observed:
+        return [
+            f"node {ran.node!r}: backend {ran.backend!r} ran outside kernels.observed_provenance(), so what it "
+            "launched was not observed"
+        ]
     if not ran.launches:
         return [f"node {ran.node!r}: backend {ran.backend!r} launched no kernel"]
     declared = declared_kernels(ran.backend, ran.node)

@@ -119,3 +119,13 @@ def contract_row(judgment: str, tensor: str, dtype: torch.dtype, op_class: str |
     rows = yaml.safe_load(CONTRACT.read_text())["judgments"][judgment]["rows"]
     row = rows[tensor][str(dtype).removeprefix("torch.")]
     return row if op_class is None else row[op_class]
+
+
+@pytest.fixture(autouse=True)
+def observed():
+    """Every test's kernel calls observe the dispatcher, as a dispatched op and every rlsweep run do; a test of the
+    unobserved default leaves it with ``observed_provenance``'s token reset."""
+    import kernels  # imported late: TRITON_INTERPRET above must be set first
+
+    with kernels.observed_provenance():
+        yield

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import json
 import re
 import threading
@@ -210,6 +211,22 @@ def test_a_reduction_run_on_another_thread_during_the_node_is_observed():
         return x.amax(1)
 
     assert node(hidden, torch.randn(4, 9)) == ["aten::logsumexp", "aten::amax"]
+
+
+def test_outside_observed_provenance_a_call_observes_nothing_and_no_check_passes_it(make_inputs):
+    """Observing costs milliseconds a node, which a training step should not pay: a plain lm_head_logprob call does
+    not observe, says so, and fails every provenance check; a dispatched op observes whatever its caller does."""
+    fresh = contextvars.Context()  # the default context, without the suite's observed_provenance()
+    provenance = fresh.run(run, make_inputs, "aten", 2).provenance
+    assert not any(node.observed for node in provenance.nodes.values())
+    problems = kernels.provenance_mismatches(dict.fromkeys(kernels.OP_NODES, "aten"), provenance)
+    assert len(problems) == 3 and all("so what it launched was not observed" in line for line in problems)
+    fixed = {"determinism_scope": kernels.DeterminismScope.FIXED_TOPOLOGY, "merge_order": kernels.MergeOrder.RANK_SHARD}
+    contract = kernels.LogprobContract.even(VOCAB, TILE, 2, dtype=torch.float32, platform="cpu", **fixed)
+    op = kernels.get_logprob_op(contract, "aten")
+    inp = make_inputs(ROWS, HIDDEN, VOCAB, torch.float32, "cpu")
+    result = fresh.run(op, inp.hidden, inp.weight, inp.targets)
+    assert all(node.observed and node.kernels for node in result.provenance.nodes.values())
 
 
 def test_a_custom_op_is_observed_by_its_own_name():
