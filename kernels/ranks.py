@@ -161,8 +161,7 @@ def rank_forward(
         owned, local_targets = shard_targets(targets, sharding)
         partials, prov = call_node(impl.fused_partials, hidden, weight[lo:hi], local_targets, owned, sharding)
         return RankOutput(None, partials, replace(prov, node="matmul"), prov)  # one kernel ran both nodes
-    matmul = functools.partial(recipes.matmul_node, impl) if recipes.is_trainer_recipe(impl) else impl.matmul
-    logits, matmul_prov = call_node(matmul, hidden, weight[lo:hi])
+    logits, matmul_prov = call_node(recipes.node_method(impl, "matmul"), hidden, weight[lo:hi])
     return rank_logprob(impl, logits, targets, sharding, matmul_provenance=matmul_prov)
 
 
@@ -180,9 +179,7 @@ def rank_logprob(
     if sharding.world_size == 1 and hasattr(impl, "logits_logprob"):
         return RankOutput(shard_logits, None, matmul_provenance, None)  # ``finish`` makes the one call
     owned, local_targets = shard_targets(targets, sharding)
-    partials_node = (
-        functools.partial(recipes.shard_partials_node, impl) if recipes.is_trainer_recipe(impl) else impl.shard_partials
-    )
+    partials_node = recipes.node_method(impl, "shard_partials")
     partials, prov = call_node(partials_node, shard_logits, local_targets, owned, sharding)
     return RankOutput(shard_logits, partials, matmul_provenance, prov)
 
@@ -230,8 +227,7 @@ def finish(
         for rank, out in enumerate(ranks):
             owner = torch.where(out.partials.owned, rank, owner)
             target_logit = torch.where(out.partials.owned, out.partials.target_logit, target_logit)
-        merge = functools.partial(recipes.merge_node, impl) if recipes.is_trainer_recipe(impl) else impl.merge
-        lse, merge_prov = call_node(merge, [out.partials for out in ranks])
+        lse, merge_prov = call_node(recipes.node_method(impl, "merge"), [out.partials for out in ranks])
         logp = target_logit.to(lse.dtype) - lse
         logprob_prov = across_ranks([out.logprob for out in ranks])
     logp = torch.where(active, logp, torch.zeros_like(logp))

@@ -12,7 +12,8 @@ Every record is made here, from the tensor the backend returned and what the dis
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -83,3 +84,12 @@ def merge_node(impl: LogitsLogprob, partials: Sequence[ShardPartials]) -> tuple[
     segment_lses = maxes + torch.log(sumexps)
     _, lse = logits_logprob(impl, segment_lses, torch.zeros(maxes.shape[0], dtype=torch.long, device=maxes.device))
     return lse, observe("tp_merge", impl.id, lse)
+
+
+# The harness's node for each node method a trainer recipe does not have.
+TRAINER_NODES = {"matmul": matmul_node, "shard_partials": shard_partials_node, "merge": merge_node}
+
+
+def node_method(impl: object, name: str) -> Callable[..., tuple]:
+    """``impl``'s own node method ``name``, or, for a trainer recipe, the harness's, made of its ``logits_logprob``."""
+    return functools.partial(TRAINER_NODES[name], impl) if is_trainer_recipe(impl) else getattr(impl, name)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from rlsweep.judgments import PER_METRIC
-from rlsweep.verdicts import NOT_RUN_DETAIL, STOPPED_BY_PROVENANCE, Judgment, Outcome, expectation, outcome
+from rlsweep.verdicts import NOT_RUN_DETAIL, Judgment, Outcome, expectation, outcome, provenance_stopped
 
 FIRST_ROWS = 3  # rows named on a cause's line
 MAX_CAUSES = 10  # cause lines a console prints; summary.md has them all
@@ -54,10 +54,8 @@ def cause_key(row: Mapping[str, Any]) -> CauseKey:
     causes).
     """
     detail = one_line(row["detail"])
-    stopped = f"{NOT_RUN_DETAIL}{STOPPED_BY_PROVENANCE} ("
-    if detail.startswith(stopped) and detail.endswith(")"):
-        # Refused by the provenance check: the same cause as the red provenance verdict that says why.
-        why = detail.removeprefix(stopped).removesuffix(")")
+    why = provenance_stopped(detail)
+    if why is not None:  # refused by the provenance check: the same cause as the red provenance verdict saying why
         return CauseKey(str(row.get("profile", "")), Judgment.PROVENANCE.value, False, True, normalised(why))
     if detail.startswith(NOT_RUN_DETAIL):
         what, text = NOT_RUN, normalised(detail.removeprefix(NOT_RUN_DETAIL))

@@ -69,6 +69,12 @@ def stopped_by_provenance(why: str) -> str:
     return f"{STOPPED_BY_PROVENANCE} ({why})"
 
 
+def provenance_stopped(detail: str) -> str | None:
+    """The ``why`` of a not-run row's detail that ``stopped_by_provenance`` wrote; None for any other detail."""
+    stopped = f"{NOT_RUN_DETAIL}{STOPPED_BY_PROVENANCE} ("
+    return detail.removeprefix(stopped)[:-1] if detail.startswith(stopped) and detail.endswith(")") else None
+
+
 def judged(detail: str) -> bool:
     """Whether a row's verdict was computed and compared with its threshold, by its detail: not a reported-only row,
     not one that never ran. Only such a verdict can fail as declared (docs/sweeps.md#expected-verdicts-in-a-sweep)."""
