@@ -147,18 +147,17 @@ def execute(spec: RunSpec, location: RunLocation, identity: RunIdentity, *, stan
     observed: dict[str, Any] = {}
     computed = Computed()
     if profile.device == "cuda" and not torch.cuda.is_available():
-        computed.stopped = (
+        why = (
             f"profile {profile.name!r} requires device 'cuda' but torch.cuda.is_available() is False here "
             f"(torch {torch.__version__}); observed device: cpu; nothing ran, no fallback"
         )
-        verdicts.append(provenance_verdict("", required, [], profile.backend_family, error=computed.stopped))
+        verdicts.append(computed.stop(provenance_verdict("", required, [], profile.backend_family, error=why)))
     else:
         prepare_backend(profile)
         try:
             op = dispatch(spec)
         except kernels.LogprobDispatchError as err:
-            computed.stopped = str(err)
-            verdicts.append(provenance_verdict("", required, [], profile.backend_family, error=computed.stopped))
+            verdicts.append(computed.stop(provenance_verdict("", required, [], profile.backend_family, error=str(err))))
         else:
             observed["dispatch"] = op.to_dict()
             computed = compute(spec, op, run, verdicts, observed)
@@ -218,6 +217,12 @@ class Computed:
     gradient: kernels.GradientBound | None = None  # grad=true: float64 gradients and their bounds
     weight_verdicts: list[Verdict] = field(default_factory=list)  # grad=true: each cell's d weight, judged as it ends
 
+    def stop(self, verdict: Verdict) -> Verdict:
+        """Provenance stopped the kernels: the red provenance ``verdict`` says why, and so does every verdict that was
+        not run (``stopped_by_provenance``), in the same words, so that a reader groups them as one cause."""
+        self.stopped = verdict.detail
+        return verdict
+
 
 def compute(
     spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any], verdicts: list[Verdict], observed: dict[str, Any]
@@ -275,14 +280,13 @@ def compute(
             try:
                 result = run_cell(cell, workload, head.weight, filler, op, computed.upstream, arithmetic)
             except kernels.BackendUnavailableError as err:
-                computed.stopped = str(err)
-                verdicts.append(provenance_verdict(cell.name, required, [], profile.backend_family, error=str(err)))
+                verdict = provenance_verdict(cell.name, required, [], profile.backend_family, error=str(err))
+                verdicts.append(computed.stop(verdict))
                 break
             except kernels.ProvenanceMismatchError as err:
-                computed.stopped = str(err)
-                verdicts.append(
-                    provenance_verdict(cell.name, required, [err.observed], profile.backend_family, error=str(err))
-                )
+                ran = [err.observed]
+                verdict = provenance_verdict(cell.name, required, ran, profile.backend_family, error=str(err))
+                verdicts.append(computed.stop(verdict))
                 break
             if computed.gradient is not None:
                 # A cell of several calls rounds each call's d weight on its own and sums them: a bound of its own.

@@ -21,7 +21,7 @@ TOY_CONF = TESTS / "toy_conf"
 
 
 def rlsweep(
-    directory: Path, *overrides: str, config_dir: Path = TOY_CONF, modules: Path = TESTS
+    directory: Path, *overrides: str, config_dir: Path = TOY_CONF, modules: Path | str = TESTS
 ) -> subprocess.CompletedProcess:
     """``python -m rlsweep --config-dir <config_dir> ... --multirun`` with ``modules`` (tests/) on the import path."""
     args = ["--config-dir", str(config_dir), f"hydra.sweep.dir={directory}", *suite_overrides(overrides), "--multirun"]
@@ -70,6 +70,47 @@ def test_a_trainer_function_written_from_the_docs_is_judged_as_it_truly_is_at_tp
     failed = {(row.profile, row.tp) for row in invariance.itertuples() if not row.passed}
     assert failed == moved
     assert done.returncode == (ExitCode.RED if moved else ExitCode.GREEN), done.stdout + done.stderr
+
+
+SNEAKY = """
+import torch
+import kernels
+from trainer_backend import CAPABILITY, REDUCES
+from kernels.backend import STOCK_MATMUL_OPS
+
+
+@kernels.register_backend(
+    "sneaky", kernels={"matmul": STOCK_MATMUL_OPS, "logprob": REDUCES, "tp_merge": REDUCES}, capability=CAPABILITY
+)
+class Sneaky:  # its lse through amax and sum, which it does not declare
+    def logits_logprob(self, logits, targets):
+        x = logits.float()
+        top = x.amax(-1, keepdim=True)
+        lse = (top + (x - top).exp().sum(-1, keepdim=True).log()).squeeze(-1)
+        return torch.log_softmax(x, -1).gather(-1, targets[:, None]).squeeze(-1), lse
+"""
+
+
+def test_a_backend_refused_mid_run_is_one_cause_with_the_verdicts_it_kept_from_running(tmp_path):
+    """A provenance mismatch in a cell's call was listed twice: the provenance verdict said the error and each call's
+    mismatch, the verdicts it stopped said the error alone, so a reader saw two causes for one."""
+    (tmp_path / "sneaky_backend.py").write_text(SNEAKY)
+    profile = (TOY_CONF / "profile" / "my_trainer_cpu.yaml").read_text().replace("my_trainer", "sneaky")
+    (tmp_path / "conf" / "profile").mkdir(parents=True)
+    (tmp_path / "conf" / "profile" / "sneaky_cpu.yaml").write_text(profile.replace("trainer_backend", "sneaky_backend"))
+    modules = os.pathsep.join([str(tmp_path), str(TESTS)])
+    done = rlsweep(
+        tmp_path / "sweep", "profile=sneaky_cpu", "layout=smoke", config_dir=tmp_path / "conf", modules=modules
+    )
+    assert done.returncode == ExitCode.RED, done.stdout + done.stderr
+    checks = pd.read_parquet(tmp_path / "sweep" / "checks")
+    assert checks["detail"].str.contains("launched 'aten::amax', which it does not declare").any()
+    listed = [line for line in done.stdout.splitlines() if " verdicts: " in line or " verdict: " in line]
+    red = len(checks[~checks["passed"]])
+    assert [line.split(" (")[0].strip() for line in listed] == [
+        f"{red} verdicts: provenance",
+        f"RED {red} verdicts: sneaky_cpu provenance",
+    ]
 
 
 def write_profile(config_dir: Path, **fields: str) -> None:
