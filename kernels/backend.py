@@ -98,11 +98,25 @@ class LogitsLogprob(Protocol):
         """logits[T, V] in the execution dtype, targets[T] int64 in [0, V) -> (logp[T], lse[T]) in fp32."""
 
 
+class HeadLogprob(Protocol):
+    """A library's fused head (``kernels.recipes``): hidden states and weight straight to logp, as Liger-Kernel's
+    fused linear cross-entropy gives it (its per-token loss negated), with no logits and no lse to show. One call
+    is every node; it has no tensor-parallel path (its capability says ``tp_sizes={1}``, ``exports_lse=False``)."""
+
+    id: str
+    declared_kernels: Mapping[str, frozenset[str]]
+    capability: LogprobBackendCapability
+
+    def head_logprob(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """hidden[T, H], weight[V, H], targets[T] int64 in [0, V) or ``IGNORE_INDEX`` -> logp[T] in fp32."""
+
+
 # The methods that make each recipe: one of these sets, complete, is what a registered class must have.
 RECIPES = {
     "three nodes": ("matmul", "shard_partials", "merge"),
     "fused": ("fused_partials", "shard_partials", "merge"),
     "trainer": ("logits_logprob",),
+    "fused head": ("head_logprob",),
 }
 
 
@@ -227,8 +241,10 @@ def get_backend(backend_id: str) -> LogprobBackend:
 
 def stores_logits(backend_id: str) -> bool:
     """Whether ``backend_id``'s matmul node stores the logits its reduction reads (a fused backend keeps them in
-    registers, so a caller can judge its reduction only against float64 products: ``kernels.reduction_bound``)."""
-    return not hasattr(get_backend(backend_id), "fused_partials")
+    registers, and a fused head never has them, so a caller can judge its reduction only against float64 products:
+    ``kernels.reduction_bound``)."""
+    impl = get_backend(backend_id)
+    return not (hasattr(impl, "fused_partials") or hasattr(impl, "head_logprob"))
 
 
 def declared_kernels(backend_id: str, node: str) -> frozenset[str]:

@@ -7,7 +7,8 @@ Two observers, one record (docs/dispatch.md#observed-provenance):
   cache key), outermost first: what such an op or graph ran inside it is part of it. Elementwise ops, copies,
   views and allocations are not kept.
 - ``launch_triton`` runs a Triton kernel and records the ``@triton.jit`` function it launched: under the Triton
-  interpreter no dispatcher sees it.
+  interpreter no dispatcher sees it. A Triton kernel that a library launches itself (Liger-Kernel's) is recorded
+  the same way while the dispatcher is observed: ``watch_triton_launches`` wraps Triton's own launcher.
 Both record into the recorder of the node call in progress (``recording_launches``). The dispatcher is observed
 only inside ``observed_provenance()`` (a dispatched ``LogprobOp`` call, every rlsweep run): the profiler costs
 milliseconds a node, which a training step calling ``kernels.lm_head_logprob`` should not pay.
@@ -16,8 +17,11 @@ milliseconds a node, which a training step calling ``kernels.lm_head_logprob`` s
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.machinery
 import os
 import re
+import sys
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -92,12 +96,70 @@ def triton_kernel_name(kernel: Any) -> str:
     return f"{kernel.fn.__module__}.{kernel.fn.__qualname__}"
 
 
+# True while ``launch_triton`` launches: the launch is recorded there, with its configuration, not again by the watch.
+_LAUNCHING: ContextVar[bool] = ContextVar("launching_triton", default=False)
+
+
 def launch_triton(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
     """``kernel[grid](*args, **meta)``, recorded with ``meta`` (constexprs, num_warps, num_stages) as its config."""
     # An empty grid has no program to run (Triton's CUDA launcher skips it too); the kernel chosen is still recorded.
     if prod(grid):
-        kernel[grid](*args, **meta)
+        token = _LAUNCHING.set(True)
+        try:
+            kernel[grid](*args, **meta)
+        finally:
+            _LAUNCHING.reset(token)
     record(KernelLaunch(triton_kernel_name(kernel), dict(meta)))
+
+
+@functools.cache
+def watch_triton_launches() -> None:
+    """Wrap the ``run`` of Triton's kernel classes, compiled and interpreted, once per process: while a node call
+    observes (``observing``), every kernel launched other than through ``launch_triton`` is recorded under the
+    ``@triton.jit`` function's name. Neither the dispatcher nor, under the interpreter, the profiler sees a Triton
+    launch; Triton's launch hooks are not called by its interpreter, so its launchers are wrapped instead."""
+    from triton.runtime import interpreter, jit
+
+    for cls in (jit.JITFunction, interpreter.InterpretedFunction):
+        cls.run = watched_run(cls.run)
+
+
+class TritonImportWatch(importlib.abc.MetaPathFinder):
+    """Installs ``watch_triton_launches`` as soon as ``import triton`` has run, whoever imports it and when: a
+    library that imports triton inside its first node call has its launches in that call recorded too."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if name != "triton":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_then_watch(module: Any) -> None:
+            exec_module(module)
+            watch_triton_launches()
+
+        spec.loader.exec_module = exec_then_watch
+        return spec
+
+
+def watch_triton_when_imported() -> None:
+    """Watch Triton's launchers now if triton is imported, else from the moment it is (``TritonImportWatch``)."""
+    if "triton" in sys.modules:
+        watch_triton_launches()
+    elif not any(isinstance(finder, TritonImportWatch) for finder in sys.meta_path):
+        sys.meta_path.insert(0, TritonImportWatch())
+
+
+def watched_run(run: Any) -> Any:
+    @functools.wraps(run)
+    def watched(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if observing() and not _LAUNCHING.get() and not kwargs.get("warmup"):
+            record(KernelLaunch(triton_kernel_name(self)))
+        return run(self, *args, **kwargs)
+
+    return watched
 
 
 # Packet names (``aten::<name>``) of the torch ops whose summation order decides their bits: matmuls, reductions,
@@ -208,3 +270,6 @@ def distinct_launches(launches: Iterable[KernelLaunch]) -> tuple[KernelLaunch, .
         if launch not in seen:  # configs are dicts, so launches compare but do not hash
             seen.append(launch)
     return tuple(seen)
+
+
+watch_triton_when_imported()

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from kernels import grad
+from kernels import grad, recipes
 from kernels.backend import BACKENDS, LogprobBackend, get_backend
 from kernels.contract import TP_MODES
 from kernels.distributed import distributed_gradients, run_distributed
@@ -60,13 +60,14 @@ def matmul(
     ``checks``: queue the checks of values there and return without waiting for the device; the caller's
     ``checks.raise_first()`` raises them later (docs/kernels.md#errors). By default the call reads them itself."""
     impl = get_backend(backend)
+    recipes.refuse_head_recipe(impl, "kernels.matmul")
     with call_checks(checks) as pending:
         check_matmul_shapes(hidden, weight)
         check_matmul_values(hidden, weight, pending)
         hidden, weight = resolved(hidden), resolved(weight)
         if checks is None:  # every check is of an input: its verdict reaches the host while the kernel runs
             pending.send()
-        logits, provenance = call_node(impl.matmul, hidden, weight)
+        logits, provenance = call_node(recipes.node_method(impl, "matmul"), hidden, weight)
         require_graph(impl, "kernels.matmul", {"hidden": hidden, "weight": weight}, logits, instead=THROUGH_LM_HEAD)
         return logits, provenance
 
@@ -81,6 +82,7 @@ def logprob(
 ) -> LogprobResult:
     """logits[T, V] + targets[T] -> fp32 logp[T] and lse[T] (TP=1). ``checks`` as for ``matmul``."""
     impl = get_backend(backend)
+    recipes.refuse_head_recipe(impl, "kernels.logprob")
     in_kernel = getattr(impl, "checks_finite_logits", False)  # the kernel poisons its result instead of a scan
     with call_checks(checks) as pending:
         check_logits_inputs(logits, targets, pending, values=not in_kernel)

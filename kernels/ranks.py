@@ -45,6 +45,7 @@ class LogprobResult:
     owner_rank: torch.Tensor
     provenance: Provenance
     logits: torch.Tensor | None = None  # keep_logits: the [T, V] logits the reduction read; None if never stored
+    has_lse: bool = True  # False: the backend computes no lse (``capability.exports_lse``), and ``lse`` is NaN
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class RankOutput:
     logprob: NodeProvenance | None
     whole: WholeVocab | None = None  # TP = 1 on a backend with ``whole_vocab``: the outputs, already merged
     tp_merge: NodeProvenance | None = None  # the record of that merge
+    head_logp: torch.Tensor | None = None  # a fused head's (``head_logprob``) logp: the whole call, no lse
 
 
 def check_vocab_geometry(impl: LogprobBackend, sharding: ShardingSpec, device: torch.device) -> None:
@@ -84,7 +86,7 @@ def require_finite(
     kernel names a non-finite input there). Every input is checked finite too, so any non-finite output is an
     overflow; [T] is cheap to scan."""
     explain = functools.partial(explain_nonfinite_row, result, execution_dtype, first)
-    checks.add_sum(screen_sum(result.lse + result.logp), explain)
+    checks.add_sum(screen_sum(result.lse + result.logp if result.has_lse else result.logp), explain)
 
 
 def require_status(
@@ -140,10 +142,11 @@ def explain_nonfinite_row(
 ) -> None:
     if first is not None:
         first()
-    bad = ~torch.isfinite(result.lse) | ~torch.isfinite(result.logp)
+    lse_bad = ~torch.isfinite(result.lse) if result.has_lse else torch.zeros_like(result.active)
+    bad = lse_bad | ~torch.isfinite(result.logp)
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
-        name = "lse" if not bool(torch.isfinite(result.lse[row])) else "logp"
+        name = "lse" if bool(lse_bad[row]) else "logp"
         raise NonFiniteOutputError(
             f"row {row}: {name} is {getattr(result, name)[row].item()} although every input is finite: the row's "
             f"logits, or logp = logit - lse, overflowed the execution dtype {dtype_name(execution_dtype)} "
@@ -157,6 +160,10 @@ def rank_forward(
 ) -> RankOutput:
     """One rank's work: its shard's logits, then its partials (at once, where the backend fuses them)."""
     lo, hi = sharding.real_shard
+    if recipes.is_head_recipe(impl):
+        logp, prov = call_node(functools.partial(recipes.head_node, impl), hidden, weight, targets, sharding.world_size)
+        nodes = {node: replace(prov, node=node) for node in ("matmul", "tp_merge")}
+        return RankOutput(None, None, nodes["matmul"], prov, tp_merge=nodes["tp_merge"], head_logp=logp)
     if hasattr(impl, "fused_partials"):
         owned, local_targets = shard_targets(targets, sharding)
         partials, prov = call_node(impl.fused_partials, hidden, weight[lo:hi], local_targets, owned, sharding)
@@ -207,6 +214,14 @@ def finish(
     stores none, and then neither does the result."""
     stored = [out.logits for out in ranks]
     kept = torch.cat(stored, dim=1) if keep_logits and all(x is not None for x in stored) else None
+    head = ranks[0]
+    if head.head_logp is not None:  # one fused call computed logp from the hidden states, and no lse
+        active = targets != IGNORE_INDEX
+        logp = torch.where(active, head.head_logp, torch.zeros_like(head.head_logp))
+        nodes = {"matmul": head.matmul, "logprob": head.logprob, "tp_merge": head.tp_merge}
+        provenance = Provenance(nodes=nodes, tp=1, tp_mode=tp_mode)
+        lse = torch.full_like(logp, float("nan"))
+        return LogprobResult(logp, lse, active, torch.where(active, 0, -1), provenance, has_lse=False)
     whole = ranks[0].whole
     if whole is not None:  # the backend reduced, merged and finished the rows itself
         nodes = {"logprob": ranks[0].logprob, "tp_merge": ranks[0].tp_merge}

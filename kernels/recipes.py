@@ -8,6 +8,9 @@ A ``LogitsLogprob`` backend (``kernels.backend``) gives only ``logits_logprob``;
   target logit is read from the owner's logits; the ``tp_merge`` node is one more call, over each row's shard lses,
   whose lse is the row's. So the user writes nothing for tp > 1, and the merge is the user's own reduction.
 Every record is made here, from the tensor the backend returned and what the dispatcher saw (``call_node``).
+
+A ``HeadLogprob`` backend (a library's fused head, ``head_logprob``) is one call from hidden states to logp, recorded
+as every node (``head_node``); it computes no lse and runs at tp = 1 only.
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kernels.backend import LogitsLogprob, ShardPartials, gather_target_logit, stock_matmul
-from kernels.errors import ShapeMismatchError
+from kernels.backend import HeadLogprob, LogitsLogprob, ShardPartials, gather_target_logit, stock_matmul
+from kernels.errors import KernelInputError, ShapeMismatchError, TPConfigError
 from kernels.provenance import NodeProvenance, observe
 from kernels.sharding import ShardingSpec
 
@@ -26,6 +29,42 @@ from kernels.sharding import ShardingSpec
 def is_trainer_recipe(impl: object) -> bool:
     """Whether ``impl`` reduces through ``logits_logprob`` alone (no ``shard_partials``/``merge`` of its own)."""
     return hasattr(impl, "logits_logprob") and not hasattr(impl, "shard_partials")
+
+
+def is_head_recipe(impl: object) -> bool:
+    """Whether ``impl`` is a fused head: one call from hidden states to logp (``head_logprob``)."""
+    return hasattr(impl, "head_logprob")
+
+
+def refuse_head_recipe(impl: object, call: str) -> None:
+    """KernelInputError for ``call`` (``kernels.matmul``, ``kernels.logprob``) on a fused head: it has no node to
+    call on its own, no logits in or out."""
+    if is_head_recipe(impl):
+        raise KernelInputError(
+            f"{call} cannot run backend {impl.id!r}: it is a fused head, hidden states to logp in one call, with no "
+            "logits in or out; call kernels.lm_head_logprob"
+        )
+
+
+def head_node(
+    impl: HeadLogprob, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, world_size: int
+) -> tuple[torch.Tensor, NodeProvenance]:
+    """The fused head's one call, its logp checked: one [T] floating tensor on the hidden states' device."""
+    if world_size != 1:
+        raise TPConfigError(
+            f"backend {impl.id!r} computes logp in one fused call over the whole vocab and has no tensor-parallel "
+            f"path; got tp={world_size}: use tp=1"
+        )
+    logp = impl.head_logprob(hidden, weight, targets)
+    rows = hidden.shape[0]
+    if not isinstance(logp, torch.Tensor):
+        raise TypeError(f"backend {impl.id!r}: head_logprob must return a tensor logp; got {type(logp).__name__}")
+    if logp.shape != (rows,) or not logp.is_floating_point() or logp.device != hidden.device:
+        raise ShapeMismatchError(
+            f"backend {impl.id!r}: head_logprob returned logp of shape {tuple(logp.shape)}, dtype {logp.dtype} on "
+            f"{logp.device}; expected shape ({rows},), a floating dtype, on {hidden.device}"
+        )
+    return logp, observe("logprob", impl.id, logp)
 
 
 def logits_logprob(impl: LogitsLogprob, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -13,6 +13,9 @@ selective_log_softmax`` line for line in what they compute.
   on logits widened to fp32 first, as trainers that upcast before the head's reduction do.
 - ``compiled``: fp32 ``log_softmax`` then ``gather`` (and ``logsumexp`` for lse) under
   ``torch.compile(dynamic=True)``, as a trainer that compiles its loss runs it.
+- ``liger``: Liger-Kernel's fused linear cross-entropy (``LigerFusedLinearCrossEntropyFunction``, the optional
+  ``liger`` extra), the training stack's fused head: the library itself is called, and its per-token loss negated
+  is logp. It computes no lse and has no tensor-parallel path (a fused head, ``kernels.recipes.head_node``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ import torch
 from kernels.backend import STOCK_MATMUL_OPS, register_backend
 from kernels.capability import ImplementationKind, LogprobBackendCapability
 from kernels.contract import EXECUTION_DTYPE_NAMES, DeterminismScope, MergeOrder
+from kernels.errors import BackendUnavailableError
 from kernels.launches import COMPILED_GRAPH_KERNEL
+from kernels.validation import IGNORE_INDEX
 
 # Each runs its reduction once per shard and once more over the shards' lses: Megatron's topology, its own order.
 TRAINER_CAPABILITY = LogprobBackendCapability(
@@ -86,3 +91,47 @@ class CompiledBackend:
 
     def logits_logprob(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return compiled_log_softmax_gather()(logits, targets)
+
+
+# What one call of Liger-Kernel's fused linear cross-entropy runs, as observed: its count of the active targets
+# (``sum``), a matmul per chunk of rows (``matmul``, or ``mm`` into a reused buffer where it can) and its Triton
+# cross-entropy kernel per chunk. One call is every node, so each node declares all of it.
+LIGER_KERNELS = frozenset(
+    {"aten::sum", "aten::matmul", "aten::mm", "liger_kernel.ops.cross_entropy.liger_cross_entropy_kernel"}
+)
+LIGER_CAPABILITY = LogprobBackendCapability(
+    implementation_kind=ImplementationKind.OBSERVED_STACK,
+    dtypes=frozenset(EXECUTION_DTYPE_NAMES),
+    determinism_scopes=frozenset({DeterminismScope.FIXED_TOPOLOGY}),
+    merge_orders=frozenset({MergeOrder.RANK_SHARD}),
+    tp_modes=frozenset({"emulated"}),
+    tp_sizes=frozenset({1}),  # one fused call over the whole vocab: no path for a vocab split over ranks
+    exports_lse=False,  # it returns the per-token loss; its lse stays inside the kernel
+)
+
+
+@functools.cache
+def liger_function():
+    """Liger-Kernel's autograd function, imported at the first call: an optional extra, whose import also imports
+    triton (in interpreter mode on the CPU: ``rlsweep.run.choose_triton_mode`` runs first)."""
+    try:
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+    except ImportError as err:
+        raise BackendUnavailableError(
+            f"backend 'liger' needs Liger-Kernel, which is not installed here ({err}); install the extra: "
+            "pip install -e '.[liger]'"
+        ) from err
+    return LigerFusedLinearCrossEntropyFunction
+
+
+@register_backend("liger", kernels=dict.fromkeys(("matmul", "logprob", "tp_merge"), LIGER_KERNELS),
+                  capability=LIGER_CAPABILITY)  # fmt: skip
+class LigerBackend:
+    id: str
+    runs_triton = True  # its cross-entropy kernel is Triton's: on the CPU, under the interpreter
+
+    def head_logprob(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # Positional, as its forward takes them: bias, class weights, ignore_index, z-loss scale, label smoothing,
+        # reduction. "none" gives the fp32 loss of each row, lse - target logit; an ignored row's is 0.
+        loss = liger_function().apply(hidden, weight, targets, None, None, IGNORE_INDEX, 0.0, 0.0, "none")[0]
+        return -loss

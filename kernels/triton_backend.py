@@ -134,6 +134,7 @@ def kernels_for(device_type: str) -> tuple[ModuleType, bool]:
 )
 class TritonBackend:
     id: str
+    runs_triton = True  # on the CPU only under Triton's interpreter (``rlsweep.run.prepare_backend``)
     checks_finite_logits = True  # a non-finite logit makes its tile's sum NaN (tile_partials_kernel)
     # Column indices are int32, and merge_tiles' int64 fixed-point sum stays below 2**63 under 2**31 columns.
     max_vocab_columns = 2**31 - 1

@@ -163,15 +163,16 @@ def kernel_verdicts(
     roles: tuple[str, str],
     failure_probability: float,
 ) -> list[Verdict]:
-    """kernel_accuracy and kernel_bias rows of one cell: logp and lse (the reduction), and logits where judged.
+    """kernel_accuracy and kernel_bias rows of one cell: each tensor of ``candidate`` (the reduction), and logits where
+    judged.
 
-    ``candidate``: "logp"/"lse" [T] in logical order; ``active`` [T] bool, the judged tokens; ``keys``: their
-    (sample_id, position) [T]."""
+    ``candidate``: "logp" and, where the backend computes it, "lse" [T] in logical order; ``active`` [T] bool, the
+    judged tokens; ``keys``: their (sample_id, position) [T]."""
     rows = torch.nonzero(active)[:, 0]
     where = (keys[0][rows], keys[1][rows])
     bound = arithmetic.bound
     verdicts = []
-    for tensor in FORWARD_TENSORS:
+    for tensor in candidate:
         lhs, rhs = candidate[tensor][rows].double(), getattr(bound, tensor)[rows]
         allowed = getattr(bound, f"{tensor}_bound")[rows]
         verdicts.append(accuracy_row(tensor, lhs, rhs, allowed, where, cell, roles, arithmetic.source))
@@ -289,11 +290,12 @@ def judges_logits(spec: RunSpec) -> bool:
         return True
 
 
-def planned_kernel_rows(cells: Sequence[str], judge_logits: bool) -> list[tuple[str, str, str]]:
-    """(judgment, tensor, cell) of every kernel row a run judges: logp and lse per cell, logits on the canonical."""
-    planned = [
-        (judgment, tensor, cell) for cell in cells for judgment in KERNEL_JUDGMENTS for tensor in FORWARD_TENSORS
-    ]
+def planned_kernel_rows(
+    cells: Sequence[str], judge_logits: bool, tensors: Sequence[str] = FORWARD_TENSORS
+) -> list[tuple[str, str, str]]:
+    """(judgment, tensor, cell) of every kernel row a run judges: each of ``tensors`` (logp, and lse where the backend
+    computes it) per cell, logits on the canonical."""
+    planned = [(judgment, tensor, cell) for cell in cells for judgment in KERNEL_JUDGMENTS for tensor in tensors]
     if judge_logits:
         planned += [(judgment, Tensor.LOGITS, cells[0]) for judgment in KERNEL_JUDGMENTS]
     return planned

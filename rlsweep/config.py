@@ -85,6 +85,8 @@ class ProfileConfig:
     merge_order: str = "rank_shard"  # global_tile | rank_shard: how the TP partials are merged
     required_nodes: dict[str, str] = field(default_factory=dict)  # op node -> backend id
     backend_module: str | None = None  # imported first: a module that registers backend_family (docs/extending.md)
+    tensors: list[str] = field(default_factory=lambda: ["logp", "lse"])  # what the backend computes: [logp] for one
+    # that exports no lse (a fused head such as liger); every forward verdict is judged on each of these
     expected_red: list[ExpectedVerdictConfig] = field(default_factory=list)
 
 

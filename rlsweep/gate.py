@@ -32,7 +32,7 @@ from rlsweep.exitcodes import ExitCode, combine, one_line
 from rlsweep.judgments import apply_expected, compare_tokens, declaration_verdict
 from rlsweep.manifest import MANIFEST_FILE, canonical_sha256, input_paths, read_manifest, verify_run
 from rlsweep.planned import plan_problems
-from rlsweep.spec import CANONICAL_CELL, ExpectedRed, declarations_of
+from rlsweep.spec import CANONICAL_CELL, ExpectedRed, declarations_of, tensors_of
 from rlsweep.tables import (
     CHECKS_SCHEMA,
     CHECKS_TABLE,
@@ -395,7 +395,7 @@ def compare_cell(judgment: str, lhs: RunTables, rhs: RunTables, cell: str, scope
     # Whose active tokens are missing, where none are shared: such a row is charged to that run (``at_fault_first``).
     missing = [run.label for run in (lhs, rhs) if not (len(joined) or computed_active(run, cell))]
     verdicts = []
-    for tensor in FORWARD_TENSORS:
+    for tensor in [t for t in tensors_of(lhs.config) if t in tensors_of(rhs.config)]:  # what both computed
         left, right = column(f"{tensor}_lhs"), column(f"{tensor}_rhs")
         # Each side is within its own bound of the same reference, so they are within the sum of both.
         bound = column(f"{tensor}_bound_lhs") + column(f"{tensor}_bound_rhs")

@@ -35,7 +35,12 @@ from rlsweep.workload import Workload
 
 NOT_RUN = "not_run"  # the metric of a row whose judgment provenance prevented
 PER_METRIC = (Judgment.CHAIN_AGGREGATES, Judgment.SMOKE)  # judgments with one row per metric rather than per cell
-SMOKE_ROWS = (("logp,lse", "nonfinite_values"), ("logp", "max_logp"), ("logp", "active_tokens"))  # (tensor, metric)
+SMOKE_METRICS = ("nonfinite_values", "max_logp", "active_tokens")
+
+
+def smoke_rows(tensors: Sequence[str]) -> list[tuple[str, str]]:
+    """(tensor, metric) of each smoke row: NaN/Inf among every forward tensor the run computes, the rest on logp."""
+    return [(",".join(tensors), "nonfinite_values"), ("logp", "max_logp"), ("logp", "active_tokens")]
 
 
 def compare_tokens(
@@ -98,7 +103,8 @@ def compare(
 
 @dataclass(frozen=True)
 class Standard:
-    """What a run is judged by: the contract, its execution dtype and op class, and the rounding bounds.
+    """What a run is judged by: the contract, its execution dtype and op class, the rounding bounds and the forward
+    tensors its backend computes (``ProfileSpec.tensors``).
 
     ``bound`` maps "logp" and "lse" to the rounding model's per-token allowance [T] (logical order, float64).
     """
@@ -107,11 +113,12 @@ class Standard:
     dtype: str
     op: str
     bound: Mapping[str, torch.Tensor]
+    tensors: tuple[str, ...] = FORWARD_TENSORS
 
     @classmethod
     def of(cls, spec: RunSpec, bound: Mapping[str, torch.Tensor]) -> Standard:
         """What a run of ``spec`` is judged by, with the bounds it computed ({} where nothing ran)."""
-        return cls(spec.contract, spec.profile.execution_dtype, spec.profile.op_class, bound)
+        return cls(spec.contract, spec.profile.execution_dtype, spec.profile.op_class, bound, spec.profile.tensors)
 
     def row(self, judgment: str, tensor: str, scope: str | None = None) -> Tolerance:
         return self.contract.tolerance(judgment, tensor, self.dtype, op=self.op, scope=scope)
@@ -133,7 +140,7 @@ def forward_accuracy(
             workload,
             standard.bound[tensor],
         )
-        for tensor in FORWARD_TENSORS
+        for tensor in standard.tensors
     ]
 
 
@@ -144,7 +151,7 @@ def forward_invariance(
     contract = standard.contract
     roles = contract.roles_for(DECODE_PARITY_ROLES if result.cell.name == DECODE_CELL else Judgment.FORWARD_INVARIANCE)
     verdicts = []
-    for tensor in FORWARD_TENSORS:
+    for tensor in standard.tensors:
         verdict = compare(
             Judgment.FORWARD_INVARIANCE,
             tensor,
@@ -198,25 +205,35 @@ def chain_aggregates(
     return verdicts
 
 
-def smoke(canonical: CellResult, workload: Workload, roles: tuple[str, str]) -> list[Verdict]:
-    """Finite outputs, logp <= 0 on active tokens, and something to judge (one row per SMOKE_ROWS entry)."""
+def smoke(
+    canonical: CellResult, workload: Workload, roles: tuple[str, str], tensors: Sequence[str] = FORWARD_TENSORS
+) -> list[Verdict]:
+    """Finite outputs (every one of ``tensors``, the forward tensors the backend computes), logp <= 0 on active
+    tokens, and something to judge (one row per ``smoke_rows`` entry)."""
     rows = torch.nonzero(workload.active)[:, 0]
-    logp, lse = canonical.logp[rows], canonical.lse[rows]
-    broken = ~torch.isfinite(logp) | ~torch.isfinite(lse)
-    nonfinite = int((~torch.isfinite(logp)).sum() + (~torch.isfinite(lse)).sum())
+    logp = canonical.logp[rows]
+    nonfinite_of = [~torch.isfinite(getattr(canonical, tensor)[rows]) for tensor in tensors]
+    broken = torch.stack(nonfinite_of).any(dim=0)
+    nonfinite = int(sum(int(bad.sum()) for bad in nonfinite_of))
     where = ""
     if nonfinite:  # finite inputs (checked before any kernel), so the backend computed it: name the first token
         first = rows[int(broken.nonzero()[0, 0])]
         key = f"sample_id={int(workload.sample_ids[first])}, position={int(workload.positions[first])}"
-        where = f"; first at ({key}): logp {float(canonical.logp[first])}, lse {float(canonical.lse[first])}"
+        values = ", ".join(f"{tensor} {float(getattr(canonical, tensor)[first])}" for tensor in tensors)
+        where = f"; first at ({key}): {values}"
     max_logp = float(logp.max()) if rows.numel() else math.nan
     outcomes = {  # metric -> (value, threshold, passed, detail)
-        "nonfinite_values": (float(nonfinite), 0.0, nonfinite == 0, f"NaN/Inf among active logp and lse{where}"),
+        "nonfinite_values": (
+            float(nonfinite),
+            0.0,
+            nonfinite == 0,
+            f"NaN/Inf among active {' and '.join(tensors)}{where}",
+        ),
         "max_logp": (max_logp, 0.0, rows.numel() > 0 and max_logp <= 0.0, "a log-probability is never positive"),
         "active_tokens": (float(rows.numel()), 1.0, rows.numel() >= 1, "the active set must not be empty"),
     }
     verdicts = []
-    for tensor, metric in SMOKE_ROWS:
+    for tensor, metric in smoke_rows(tensors):
         value, threshold, passed, detail = outcomes[metric]
         verdicts.append(Verdict(Judgment.SMOKE, tensor, *roles, canonical.cell.name, NO_CELL, metric=metric,
                                 value=value, threshold=threshold, passed=passed, detail=detail))  # fmt: skip
@@ -239,13 +256,14 @@ def judge_cells(
     keys = (workload.sample_ids, workload.positions)
     for result in results:
         if result.arithmetic is not None:
-            candidate = {tensor: getattr(result, tensor) for tensor in FORWARD_TENSORS}
+            candidate = {tensor: getattr(result, tensor) for tensor in standard.tensors}
             verdicts += kernel_verdicts(
                 candidate, result.arithmetic, result.cell.name, workload.active, keys,
                 contract.roles_for(Judgment.KERNEL_ACCURACY), contract.failure_probability,
             )  # fmt: skip
     verdicts += chain_aggregates(canonical, reference, workload, standard)
-    verdicts += smoke(canonical, workload, (standard.contract.roles_for(Judgment.FORWARD_ACCURACY)[0], "invariants"))
+    roles = (standard.contract.roles_for(Judgment.FORWARD_ACCURACY)[0], "invariants")
+    verdicts += smoke(canonical, workload, roles, standard.tensors)
     return verdicts
 
 
@@ -450,10 +468,16 @@ def unmatched_declarations(
 
 
 def planned_verdicts(
-    cells: Sequence[str], contract: Contract, *, grad: bool = False, logits: bool = False
+    cells: Sequence[str],
+    contract: Contract,
+    *,
+    grad: bool = False,
+    logits: bool = False,
+    tensors: Sequence[str] = FORWARD_TENSORS,
 ) -> list[Verdict]:
     """The kernel verdicts a run over ``cells`` (canonical first) judges, as red placeholders without values.
-    ``logits``: the run judges the matmul's stored logits (``rlsweep.arithmetic.judges_logits``)."""
+    ``logits``: the run judges the matmul's stored logits (``rlsweep.arithmetic.judges_logits``); ``tensors``: the
+    forward tensors its backend computes (``ProfileSpec.tensors``)."""
     canonical = cells[0]
 
     def row(judgment: str, tensor: str, roles: str, cell: str, rhs: str, metric: str = NOT_RUN) -> Verdict:
@@ -461,9 +485,7 @@ def planned_verdicts(
                        threshold=math.nan, passed=False)  # fmt: skip
 
     planned = [
-        row(Judgment.FORWARD_ACCURACY, t, Judgment.FORWARD_ACCURACY, cell, canonical)
-        for cell in cells
-        for t in FORWARD_TENSORS
+        row(Judgment.FORWARD_ACCURACY, t, Judgment.FORWARD_ACCURACY, cell, canonical) for cell in cells for t in tensors
     ]
     planned += [
         row(
@@ -474,7 +496,7 @@ def planned_verdicts(
             canonical,
         )
         for cell in cells[1:]
-        for t in FORWARD_TENSORS
+        for t in tensors
     ]
     planned += [
         row(Judgment.CHAIN_AGGREGATES, "logp", CHAIN_ROLES, canonical, canonical, name)
@@ -482,9 +504,11 @@ def planned_verdicts(
         if metric.name in contract.chain_metrics
         for name in metric.names
     ]
-    planned += [row(Judgment.SMOKE, t, Judgment.FORWARD_ACCURACY, canonical, NO_CELL, m) for t, m in SMOKE_ROWS]
+    planned += [
+        row(Judgment.SMOKE, t, Judgment.FORWARD_ACCURACY, canonical, NO_CELL, m) for t, m in smoke_rows(tensors)
+    ]
     if contract.judges_kernel_arithmetic:
-        planned += [row(j, t, j, cell, cell) for j, t, cell in planned_kernel_rows(cells, logits)]
+        planned += [row(j, t, j, cell, cell) for j, t, cell in planned_kernel_rows(cells, logits, tensors)]
     if grad:
         accuracy = Judgment.GRADIENT_ACCURACY
         planned += [row(accuracy, tensor, accuracy, cell, cell) for cell in cells for tensor in GRADIENT_TENSORS]

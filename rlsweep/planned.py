@@ -20,7 +20,7 @@ from rlsweep.contract import Contract
 from rlsweep.errors import ConfigError
 from rlsweep.judgments import apply_expected, declaration_rows, plan_key, planned_verdicts
 from rlsweep.mismatch import METRICS
-from rlsweep.spec import declarations_of, layout_of
+from rlsweep.spec import declarations_of, layout_of, tensors_of
 from rlsweep.verdicts import NO_CELL, NOT_RUN_DETAIL, REPORTED_ONLY, Judgment, Verdict
 
 WEIGHT_PIN = (Judgment.PROVENANCE, "weight")  # (judgment, tensor) of the weight pin row
@@ -55,6 +55,7 @@ def plan_problems(
     try:
         cells = layout_of(config).cell_names
         declarations = declarations_of(config)
+        tensors = tensors_of(config)
     except (ConfigError, KeyError, TypeError) as err:
         return [f"its saved config cannot be planned from: {' '.join(str(err).split())}"]
     verdicts = verdicts_of(checks)
@@ -62,7 +63,7 @@ def plan_problems(
     stopped = any(v.detail.startswith(NOT_RUN_DETAIL) for v in rows)
     grad = bool(config.get("grad", False))
     plans = [
-        Counter(plan_key(v) for v in planned_verdicts(cells, contract, grad=grad, logits=logits))
+        Counter(plan_key(v) for v in planned_verdicts(cells, contract, grad=grad, logits=logits, tensors=tensors))
         for logits in logits_options(config, contract)
     ]
     planned_judgments = {key[0] for plan in plans for key in plan}

@@ -97,7 +97,7 @@ def prepare_backend(profile: ProfileSpec) -> None:
     Where triton was already imported in the other mode (a sweep mixing CPU and CUDA Triton profiles in one
     process on a GPU machine), the backend says so and the run's provenance is red, never a silent fallback.
     """
-    if profile.backend_family == "triton" and profile.device == "cpu":
+    if getattr(kernels.BACKENDS.get(profile.backend_family), "runs_triton", False) and profile.device == "cpu":
         if "triton" not in sys.modules:
             os.environ.setdefault("TRITON_INTERPRET", "1")
         # The interpreter evaluates masked (-inf) lanes too and warns about them; the kernel masks the results.
@@ -168,7 +168,8 @@ def execute(spec: RunSpec, location: RunLocation, identity: RunIdentity, *, stan
         judged += computed.weight_verdicts
     verdicts += judged
     if computed.stopped:
-        planned = planned_verdicts(spec.layout.cell_names, contract, grad=spec.grad, logits=judges_logits(spec))
+        planned = planned_verdicts(spec.layout.cell_names, contract, grad=spec.grad, logits=judges_logits(spec),
+                                   tensors=profile.tensors)  # fmt: skip
         verdicts += not_run_verdicts(judged, planned, stopped_by_provenance(computed.stopped))
     verdicts = apply_expected(verdicts, spec.expectations)
     verdicts += declaration_rows(verdicts, spec.declarations, profile.name, spec.tp, standalone=standalone)
@@ -199,7 +200,8 @@ def dispatch(spec: RunSpec) -> kernels.LogprobOp:
     """The profile's backend bound to the logprob contract the profile declares; its capability gates it."""
     profile = spec.profile
     reduction = kernels.ReductionSpec(spec.sharding.vocab_tile, profile.determinism_scope, profile.merge_order)
-    contract = kernels.LogprobContract(spec.sharding, reduction, profile.execution_dtype, profile.device)
+    output = kernels.LogprobOutputSpec(export_lse=Tensor.LSE in profile.tensors)
+    contract = kernels.LogprobContract(spec.sharding, reduction, profile.execution_dtype, profile.device, output=output)
     return kernels.get_logprob_op(contract, profile.backend_family, tp_mode=spec.tp_mode)
 
 

@@ -30,7 +30,7 @@ from rlsweep.contract import (
 from rlsweep.errors import ConfigError
 from rlsweep.exitcodes import exit_site
 from rlsweep.synthetic import check_seed
-from rlsweep.verdicts import DECLARABLE, FORWARD_TENSORS, GRADIENT_TENSORS, Judgment
+from rlsweep.verdicts import DECLARABLE, FORWARD_TENSORS, GRADIENT_TENSORS, Judgment, Tensor
 
 # Bounds that only reject typos (real heads: hidden 2**11-2**14, vocab 3e4-3e5, tiles 256-1024); whether a head
 # that passes them fits is the memory estimate's call (rlsweep.execute.peak_bytes).
@@ -209,10 +209,12 @@ class ProfileSpec:
     merge_order: str = "rank_shard"  # how the TP partials are merged
     required_nodes: Mapping[str, str] = field(default_factory=dict)  # op node -> backend id
     backend_module: str | None = None  # a module to import first: it registers backend_family (docs/extending.md)
+    tensors: tuple[str, ...] = FORWARD_TENSORS  # the forward tensors the backend computes, each judged
     expected_red: tuple[ExpectedRed, ...] = ()
 
     def __post_init__(self) -> None:
         where = f"profile {self.name!r}: "
+        check_tensors(f"{where}tensors", self.tensors)
         choice(f"{where}device", self.device, kernels.PLATFORMS)
         choice(f"{where}execution_dtype", self.execution_dtype, tuple(EXECUTION_DTYPES))
         choice(f"{where}logits_dtype", self.logits_name, tuple(EXECUTION_DTYPES))
@@ -447,6 +449,7 @@ class RunSpec:
                 f"{dict.fromkeys(required, family)}"
             )
         backend = kernels.BACKENDS[family]
+        self.check_backend_reach(backend.capability)
         if self.grad and self.tp_mode == "distributed" and not kernels.has_tiled_backward(backend):
             tiled = [name for name, impl in kernels.BACKENDS.items() if kernels.has_tiled_backward(impl)]
             raise ConfigError(
@@ -455,6 +458,21 @@ class RunSpec:
                 f"tp_mode=emulated, or a profile whose backend has a tiled backward ({', '.join(tiled)})"
             )
         self.contract.require(*self.contract_needs())
+
+    def check_backend_reach(self, capability: kernels.LogprobBackendCapability) -> None:
+        """ConfigError where the backend cannot run this tp, or computes other forward tensors than the profile's."""
+        profile, family = self.profile.name, self.profile.backend_family
+        if capability.tp_sizes is not None and self.tp not in capability.tp_sizes:
+            raise ConfigError(
+                f"tp={self.tp}: profile {profile!r} runs backend {family!r}, which runs at tp "
+                f"{' or '.join(map(str, sorted(capability.tp_sizes)))} only; sweep it at that tp"
+            )
+        computes = [str(tensor) for tensor in (FORWARD_TENSORS if capability.exports_lse else (Tensor.LOGP,))]
+        if list(self.profile.tensors) != computes:
+            raise ConfigError(
+                f"profile {profile!r}: tensors={list(self.profile.tensors)}, but backend {family!r} computes "
+                f"{computes}: set profile.tensors={computes}"
+            )
 
     @property
     def tp(self) -> int:
@@ -465,8 +483,9 @@ class RunSpec:
         cells, dtype, op = self.layout.cell_names, self.profile.execution_dtype, self.profile.op_class
         judgments = [Judgment.FORWARD_ACCURACY, Judgment.BACKEND_PARITY]
         judgments += [Judgment.FORWARD_INVARIANCE] if len(cells) > 1 else []
-        rows = [(judgment, "", tensor, dtype, op) for judgment in judgments for tensor in FORWARD_TENSORS]
-        rows += [(Judgment.TP_INVARIANCE, self.profile.determinism_scope, t, dtype, op) for t in FORWARD_TENSORS]
+        tensors = self.profile.tensors
+        rows = [(judgment, "", tensor, dtype, op) for judgment in judgments for tensor in tensors]
+        rows += [(Judgment.TP_INVARIANCE, self.profile.determinism_scope, t, dtype, op) for t in tensors]
         roles = [*judgments, Judgment.TP_INVARIANCE, CHAIN_ROLES]
         roles += [DECODE_PARITY_ROLES] if DECODE_CELL in cells[1:] else []
         if self.grad:
@@ -543,6 +562,26 @@ def layout_of(config: Mapping[str, Any]) -> LayoutSpec:
     entries = config["layout"]["needles"] if NEEDLE in config["layout"].get("cells", ()) else []
     needles = tuple(build(Needle, n, f"layout.needles[{i}]") for i, n in enumerate(entries))
     return build(LayoutSpec, config["layout"], "layout", needles=needles)
+
+
+# What a backend computes (``ProfileSpec.tensors``): logp and lse, or logp only (``capability.exports_lse`` false).
+COMPUTED_TENSORS = (FORWARD_TENSORS, (Tensor.LOGP,))
+
+
+def check_tensors(where: str, tensors: Sequence[str]) -> None:
+    if tuple(tensors) not in COMPUTED_TENSORS:
+        raise ConfigError(
+            f"{where}={list(tensors)} is not one of {[str(t) for t in FORWARD_TENSORS]} (a backend that computes lse) "
+            f"or {[str(Tensor.LOGP)]} (one that computes logp only)"
+        )
+
+
+def tensors_of(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """The forward tensors a resolved run config judges (its profile's ``tensors``; a config saved before profiles
+    had the key judged both)."""
+    tensors = tuple(config["profile"].get("tensors", FORWARD_TENSORS))
+    check_tensors("profile.tensors", tensors)
+    return tensors
 
 
 def declarations_of(config: Mapping[str, Any]) -> tuple[ExpectedRed, ...]:
