@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import secrets
 from dataclasses import dataclass
@@ -44,10 +46,61 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if needs_interpreter(item):
             item.add_marker(pytest.mark.interpreter)
+    items.sort(key=schedule_key)  # stable: collection order within each key
     if torch.cuda.is_available():
         kept = [item for item in items if not item.get_closest_marker("interpreter")]
         config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("interpreter")])
         items[:] = kept
+
+
+def xdist_group(item: pytest.Item) -> str | None:
+    """The item's ``xdist_group`` name as pytest-xdist spells it (several marks: their names sorted, joined by _)."""
+    names = {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
+    return "_".join(sorted(names)) or None
+
+
+# The order in which a worker is handed work (pyproject: --dist loadgroup --no-loadscope-reorder hands out the
+# groups and tests in collection order): the groups, then the modules of end-to-end runs and sweeps, then the
+# in-process ones, and within each the tests marked slow first. The longest work starts first, so no worker is
+# left idle at the end while the other finishes a long test it took last.
+MODULE_ORDER = (
+    "test_sweep", "test_verdict_power", "test_extending", "test_distributed_ranks", "test_input_bounds",
+    "test_replay_and_bad_input", "test_run", "test_kernel_invariance", "test_kernel_gradients",
+    "test_workload_hunt", "test_kernel_arithmetic", "test_kernel_provenance", "test_rounding_model",
+    "test_kernel_accuracy",
+)  # fmt: skip
+GROUP_ORDER = ("fail_closed", "small_sweep", "grad", "extending", "planned_verdicts")
+
+
+def schedule_key(item: pytest.Item) -> tuple:
+    group, module = xdist_group(item), item.path.stem
+    if group is not None:
+        return (0, GROUP_ORDER.index(group) if group in GROUP_ORDER else len(GROUP_ORDER), group)
+    rank = MODULE_ORDER.index(module) if module in MODULE_ORDER else len(MODULE_ORDER)
+    return (1, rank, module, item.get_closest_marker("slow") is None)
+
+
+class XdistGroups:
+    """``--dist loadgroup`` for pytest 9: pytest-xdist (3.8) names a grouped test's work unit by appending
+    ``@group`` to ``item._nodeid``, which pytest 9 no longer reads (a node's id lives in ``item._id``): every test
+    became a unit of its own, and a group's module fixture (a sweep) was built on every worker. This appends it
+    where xdist's own hook left the id without it, after that hook."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        if not getattr(config.option, "loadgroup", False):
+            return
+        for item in items:
+            group = xdist_group(item)
+            if group is None or item.nodeid.endswith(f"@{group}") or not hasattr(item, "_id"):
+                continue
+            from _pytest.nodeid import NodeId
+
+            item._id = NodeId.parse(f"{item.nodeid}@{group}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(XdistGroups(), "rlsweep-xdist-groups")
 
 
 @pytest.fixture(params=DEVICES)
@@ -114,11 +167,17 @@ def small_sweep(tmp_path_factory) -> Path:
 def contract_row(judgment: str, tensor: str, dtype: torch.dtype, op_class: str | None = None) -> dict:
     """The shipped contract's row for ``judgment`` (docs/contract.md), read as plain YAML: the kernel tests take
     their thresholds from the contract without importing rlsweep. ``op_class``: for rows keyed by one."""
+    rows = contract_judgments(CONTRACT.read_text())[judgment]["rows"]
+    row = rows[tensor][str(dtype).removeprefix("torch.")]
+    return copy.deepcopy(row if op_class is None else row[op_class])
+
+
+@functools.lru_cache(maxsize=4)
+def contract_judgments(text: str) -> dict:
+    """The judgments of a contract file's text, parsed once per text (pure-Python YAML: ~0.1 s a parse)."""
     import yaml
 
-    rows = yaml.safe_load(CONTRACT.read_text())["judgments"][judgment]["rows"]
-    row = rows[tensor][str(dtype).removeprefix("torch.")]
-    return row if op_class is None else row[op_class]
+    return yaml.safe_load(text)["judgments"]
 
 
 @pytest.fixture(autouse=True)

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 from rlsweep_fixtures import run_rlsweep
@@ -155,13 +156,7 @@ def test_tensors_that_cannot_go_to_shared_memory_raise_instead_of_hanging(side, 
     """A queue pickles in a thread of its own, which printed the error and dropped the message: with a weight or
     a reply larger than /dev/shm (64 MiB in a default Docker container) the call waited for ever."""
     script = SHM_FULL.format(tests=str(Path(__file__).parent), VOCAB=VOCAB, TILE=TILE)
-    done = subprocess.run(
-        [sys.executable, "-c", script, side],
-        cwd=Path(__file__).parent.parent,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = forkserver.run("-c", script, [side], cwd=Path(__file__).parent.parent, timeout=120)
     assert done.stdout.startswith(error), done.stdout + done.stderr
 
 
@@ -260,9 +255,7 @@ def test_a_rank_that_hangs_fails_its_peers_collective_and_the_call_after_the_col
     """The ranks took torch's default collective timeout, which nothing named: a hung rank held the call for 30
     minutes. COLLECTIVE_TIMEOUT is now the group's, given to every rank; the hung rank is killed as the group closes."""
     script = HUNG_RANK.format(VOCAB=VOCAB, TILE=TILE)
-    done = subprocess.run(
-        [sys.executable, "-c", script], cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=120
-    )
+    done = forkserver.run("-c", script, [], cwd=Path(__file__).parent.parent, timeout=120)
     error, codes = done.stdout.splitlines()[-2:] if done.stdout.count("\n") >= 2 else ("", "")
     assert error.startswith("distributed rank 0 failed while serving a forward call") and "Timed out" in error, (
         done.stdout + done.stderr
@@ -289,12 +282,8 @@ print(*[torch.equal(a, b) for a, b in zip(want, got)])
 
 def test_calls_on_one_group_from_several_threads_get_their_own_results():
     """Their requests and replies interleaved: a call took another's replies, and the other waited for ever."""
-    done = subprocess.run(
-        [sys.executable, "-c", THREADS.format(VOCAB=VOCAB, TILE=TILE)],
-        cwd=Path(__file__).parent.parent,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    done = forkserver.run(
+        "-c", THREADS.format(VOCAB=VOCAB, TILE=TILE), [], cwd=Path(__file__).parent.parent, timeout=120
     )
     assert done.stdout.split() == ["True"] * 8, done.stdout + done.stderr
 
@@ -319,13 +308,13 @@ for margin in range(0, 24, 4):
 def test_a_group_that_runs_out_of_file_descriptors_while_starting_says_so(tmp_path):
     """Failing to start its third rank, a group's cleanup joined ranks never started and raised "AssertionError: can
     only join a started process" in place of the error; failing earlier, it raised a bare OSError."""
-    done = subprocess.run(
-        [sys.executable, "-c", OUT_OF_FILES],
+    done = forkserver.run(
+        "-c",
+        OUT_OF_FILES,
+        [],
         cwd=Path(__file__).parent.parent,
-        env={**os.environ, "TMPDIR": str(tmp_path)},  # a rendezvous dir is not removable without a file descriptor
-        capture_output=True,
+        env={"TMPDIR": str(tmp_path)},  # a rendezvous dir is not removable without a file descriptor
         timeout=120,
-        text=True,
     )
     failed = "RankGroupError could not start the distributed ranks (backend=aten, tp=4): [Errno 24] Too many open files"
     lines = done.stdout.splitlines()

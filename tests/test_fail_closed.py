@@ -358,8 +358,8 @@ def test_a_table_file_that_no_manifest_names_makes_the_sweep_incomplete(sweep, c
     assert str(sweep / stray) in output and "GREEN" not in output
 
 
-def test_a_table_file_beside_a_single_runs_own_is_not_judged_as_part_of_it(tmp_path, capsys):
-    assert run_rlsweep(tmp_path, "layout=smoke").returncode == ExitCode.GREEN
+def test_a_table_file_beside_a_single_runs_own_is_not_judged_as_part_of_it(green_run, tmp_path, capsys):
+    tmp_path = copy_outputs(green_run, tmp_path / "run")
     stray = tmp_path / CHECKS_TABLE / "part-1.parquet"
     write_failing_copy(tmp_path / CHECKS_TABLE / PART_FILE, stray)
     assert not pd.read_parquet(tmp_path / CHECKS_TABLE)["passed"].all()  # what a plain reader of the run loads
@@ -667,8 +667,8 @@ def test_a_full_disk_is_one_line_and_leaves_no_table(tmp_path):
     assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
-def test_a_failed_rerun_invalidates_the_old_tables(tmp_path, capsys):
-    assert run_rlsweep(tmp_path, "layout=smoke").returncode == ExitCode.GREEN
+def test_a_failed_rerun_invalidates_the_old_tables(green_run, tmp_path, capsys):
+    tmp_path = copy_outputs(green_run, tmp_path / "run")
     assert check(tmp_path, capsys)[0] == ExitCode.GREEN  # the gate's outputs in the run dir, and a report's
     for name in REPORT_FILES:
         (tmp_path / name).write_text("Gate: GREEN")
@@ -685,8 +685,8 @@ def snapshot(directory: Path) -> dict[str, int]:
     return {str(path.relative_to(directory)): path.stat().st_mtime_ns for path in directory.rglob("*")}
 
 
-def test_a_sweep_into_a_single_runs_dir_is_refused_before_any_job(tmp_path):
-    assert run_rlsweep(tmp_path, "layout=smoke").returncode == ExitCode.GREEN
+def test_a_sweep_into_a_single_runs_dir_is_refused_before_any_job(green_run, tmp_path):
+    tmp_path = copy_outputs(green_run, tmp_path / "run")
     before = snapshot(tmp_path)
     done = multirun(tmp_path, "layout=smoke", "tp=1,2")
     assert_not_green(done, ExitCode.ERROR)
@@ -830,9 +830,8 @@ def test_a_second_writer_fails_at_once_naming_the_holder(tmp_path):
     assert tables_left(tmp_path) == []
 
 
-def test_a_refused_writer_leaves_the_record_of_the_run_that_holds_the_dir(tmp_path):
-    first = run_rlsweep(tmp_path, "layout=smoke")
-    assert first.returncode == 0, first.stdout + first.stderr
+def test_a_refused_writer_leaves_the_record_of_the_run_that_holds_the_dir(green_run, tmp_path):
+    tmp_path = copy_outputs(green_run, tmp_path / "run")  # the first run, green
     record = (tmp_path / HYDRA_CONFIG).read_bytes()
     with locked(tmp_path):  # as the first run would hold it while it runs
         second = run_rlsweep(tmp_path, "layout=smoke", "seed=1")
@@ -903,9 +902,7 @@ def test_duplicate_cells_are_refused_up_front(tmp_path):
 
 
 def test_a_usage_error_is_exit_1_not_red_and_names_the_command():
-    done = subprocess.run(
-        [sys.executable, "-m", "rlsweep", "--no-such-flag"], capture_output=True, text=True, timeout=120
-    )
+    done = forkserver.run("-m", "rlsweep", ["--no-such-flag"], timeout=120)
     assert_not_green(done, ExitCode.ERROR)
     # One line, its usage folded in (Hydra's parser printed 7 lines of usage, then the error), naming the command.
     assert len(done.stderr.splitlines()) == 1, done.stderr

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from importlib import resources
 from pathlib import Path
 
+import forkserver
 import pandas as pd
 import pytest
 import torch
@@ -166,7 +165,7 @@ def test_an_inconsistent_logprob_contract_is_a_usage_error(tmp_path):
 
 
 def test_help_describes_every_group_with_its_options():
-    done = subprocess.run([sys.executable, "-m", "rlsweep", "--help"], capture_output=True, text=True, timeout=120)
+    done = forkserver.run("-m", "rlsweep", ["--help"], timeout=120)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     for group in ("model", "profile", "workload", "layout", "contract", "sweep"):
