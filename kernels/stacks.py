@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from kernels.backend import STOCK_MATMUL_OPS, register_backend
+from kernels.backend import OP_NODES, STOCK_MATMUL_OPS, register_backend
 from kernels.capability import ImplementationKind, LogprobBackendCapability
 from kernels.contract import EXECUTION_DTYPE_NAMES, DeterminismScope, MergeOrder
 from kernels.errors import BackendUnavailableError
@@ -124,7 +124,7 @@ def liger_function():
     return LigerFusedLinearCrossEntropyFunction
 
 
-@register_backend("liger", kernels=dict.fromkeys(("matmul", "logprob", "tp_merge"), LIGER_KERNELS),
+@register_backend("liger", kernels=dict.fromkeys(OP_NODES, LIGER_KERNELS),
                   capability=LIGER_CAPABILITY)  # fmt: skip
 class LigerBackend:
     id: str

@@ -35,7 +35,6 @@ from rlsweep.workload import Workload
 
 NOT_RUN = "not_run"  # the metric of a row whose judgment provenance prevented
 PER_METRIC = (Judgment.CHAIN_AGGREGATES, Judgment.SMOKE)  # judgments with one row per metric rather than per cell
-SMOKE_METRICS = ("nonfinite_values", "max_logp", "active_tokens")
 
 
 def smoke_rows(tensors: Sequence[str]) -> list[tuple[str, str]]:
