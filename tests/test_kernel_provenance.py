@@ -15,7 +15,7 @@ from conftest import triton_runs_on
 import kernels
 from kernels.launches import COMPILED_GRAPH_KERNEL
 from kernels.provenance import call_node
-from kernels.triton_backend import INTERPRETER_TILING, TritonBackend
+from kernels.triton_backend import INTERPRETER_FORWARD_TILING, TritonBackend
 
 ROWS, HIDDEN, VOCAB, TILE = 3, 16, 40, 16
 BUILTIN = tuple(kernels.BACKENDS)  # read at import, before any test registers a toy backend
@@ -111,7 +111,7 @@ def test_a_triton_launch_is_named_by_the_function_launched_and_keeps_its_configu
     (launch,) = provenance.launches
     assert launch.kernel == "kernels.triton_kernels.invariant_matmul_kernel"  # the interpreter's: pointer loads
     assert launch.kernel in TRITON_DECLARED["matmul"]
-    tiling = INTERPRETER_TILING
+    tiling = INTERPRETER_FORWARD_TILING
     expected = {"BLOCK_M": tiling.block_m, "BLOCK_N": tiling.block_n, "BLOCK_K": tiling.block_k}
     assert launch.config.items() >= {**expected, "num_warps": tiling.num_warps}.items()
 
