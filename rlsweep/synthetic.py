@@ -13,7 +13,16 @@ import torch
 from rlsweep.errors import ConfigError
 
 # Streams keep unrelated quantities uncorrelated even under the same seed.
-STREAMS = {"weight": 1, "hidden": 2, "filler_hidden": 3, "target": 4, "filler_target": 5, "grad_logp": 6}
+STREAMS = {
+    "weight": 1,
+    "hidden": 2,
+    "filler_hidden": 3,
+    "target": 4,
+    "filler_target": 5,
+    "grad_logp": 6,
+    "prompt_token": 7,
+    "sample": 8,
+}
 STREAM_BITS = 8  # a stream's key is seed * 2**STREAM_BITS + stream id, taken modulo 2**64
 assert max(STREAMS.values()) < 1 << STREAM_BITS
 # Seeds that differ by a multiple of 2**56 share a key (seed -1 is seed 2**56 - 1): only [0, SEED_LIMIT) are distinct.

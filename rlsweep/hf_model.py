@@ -1,0 +1,211 @@
+"""A whole Hugging Face causal LM under test: built from a config or read from a local checkpoint dir, never from
+a model hub, with synthetic weights bit-identical on every device, and a fingerprint of its config and weights
+(docs/whole_model.md).
+
+``transformers`` is the optional extra ``model`` (``pip install -e ".[model]"``); this module imports it only when
+a model is built, and says in one line what to install when it is missing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlsweep.errors import ConfigError
+from rlsweep.synthetic import SEED_LIMIT, check_seed, standard_normal
+
+# Fields transformers writes into a config of its own accord (save_pretrained, from_pretrained, the model's
+# construction): none says what the model computes, so none is part of its fingerprint.
+VOLATILE_CONFIG_FIELDS = frozenset({
+    "transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype", "_attn_implementation",
+    "_attn_implementation_autoset", "_commit_hash", "use_cache", "output_attentions", "output_hidden_states",
+    "return_dict", "_experts_implementation",
+})  # fmt: skip
+SOURCES = ("config", "checkpoint")
+ATTENTION = ("eager", "sdpa")  # the stock attention implementations a profile may name
+NORM_JITTER = 0.1  # an RMSNorm weight is 1 + this * N(0, 1): a norm computed in the wrong dtype shows
+LOGIT_STD = 4.0  # an untied head's weight std is this / sqrt(hidden): logits of a realistic scale (std 3 - 5)
+
+
+@dataclass(frozen=True)
+class WholeModelSpec:
+    """What builds the model: ``source`` "config" (``hf_config``: the fields of a transformers config, with its
+    ``model_type``; weights synthetic from ``seed``) or "checkpoint" (``path``: a local dir with config.json and
+    *.safetensors)."""
+
+    name: str
+    source: str
+    hf_config: Mapping[str, Any] | None = None
+    path: str | None = None
+    seed: int = 0
+
+    @staticmethod
+    def parse(raw: Mapping[str, Any]) -> WholeModelSpec:
+        """From a plain mapping (a composed ``model`` node); every refusal is one line naming the value."""
+        name, source = raw.get("name"), raw.get("source")
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"model.name={name!r}: a whole model needs a non-empty name")
+        if source not in SOURCES:
+            raise ConfigError(f"model.source={source!r} is not one of {list(SOURCES)}")
+        seed = raw.get("seed", 0)
+        check_seed(seed, "model.seed")
+        if source == "config":
+            fields = raw.get("hf_config")
+            if not isinstance(fields, Mapping) or not isinstance(fields.get("model_type"), str):
+                raise ConfigError(
+                    f"model.hf_config={fields!r}: source=config needs the transformers config's fields, with its "
+                    "model_type (e.g. qwen3)"
+                )
+            refuse_remote_code(fields, "model.hf_config")
+            return WholeModelSpec(name, source, hf_config=dict(fields), seed=seed)
+        path = raw.get("path")
+        checkpoint_dir(path)
+        return WholeModelSpec(name, source, path=str(path), seed=seed)
+
+
+def refuse_remote_code(fields: Mapping[str, Any], where: str) -> None:
+    """A config naming code outside transformers (``auto_map``) would need ``trust_remote_code``: refused."""
+    if "auto_map" in fields:
+        raise ConfigError(
+            f"{where} has an auto_map ({dict(fields['auto_map'])!r}): its model needs trust_remote_code, which rlsweep "
+            "never passes; use a model_type transformers defines"
+        )
+
+
+def checkpoint_dir(path: Any) -> Path:
+    """A local checkpoint dir with config.json and at least one *.safetensors; anything else, a hub id included,
+    is refused in one line, before transformers could try to reach a hub."""
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"model.path={path!r}: source=checkpoint needs a local directory")
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        raise ConfigError(
+            f"model.path={path!r} is not a local directory: rlsweep never reaches a model hub; download the "
+            "checkpoint and give its directory"
+        )
+    if not (directory / "config.json").is_file():
+        raise ConfigError(f"model.path={path!r} has no config.json")
+    if not any(directory.glob("*.safetensors")):
+        raise ConfigError(f"model.path={path!r} has no *.safetensors weights")
+    return directory
+
+
+def transformers_module() -> Any:
+    try:
+        import transformers
+    except ImportError as err:
+        raise ConfigError(
+            f'a whole model needs transformers ({err}): pip install -e ".[model]" (transformers==5.24.0)'
+        ) from None
+    return transformers
+
+
+@dataclass(frozen=True)
+class BuiltModel:
+    """The model in eval mode in its dtype, and its identity: the config's and the weights' sha256."""
+
+    name: str
+    model: torch.nn.Module
+    config_fingerprint: str
+    weights_hash: str
+    attention: str
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """lm_head.weight [V, H]: what ``kernels.lm_head_logprob`` takes."""
+        return self.model.get_output_embeddings().weight.detach()
+
+    @property
+    def body(self) -> torch.nn.Module:
+        """The decoder without its head: final hidden states, after the last norm."""
+        return self.model.get_decoder()
+
+
+def build_model(spec: WholeModelSpec, *, dtype: torch.dtype, attention: str, device: torch.device | str = "cpu"):
+    """The model of ``spec`` with ``attention`` ("eager" or "sdpa") in ``dtype`` on ``device``."""
+    if attention not in ATTENTION:
+        raise ConfigError(f"attention={attention!r} is not one of {list(ATTENTION)}")
+    transformers = transformers_module()
+    if spec.source == "config":
+        fields = dict(spec.hf_config)
+        model_type = fields.pop("model_type")
+        try:
+            config = transformers.AutoConfig.for_model(model_type, **fields)
+        except ValueError as err:
+            raise ConfigError(f"model.hf_config.model_type={model_type!r}: {err}".splitlines()[0]) from None
+        with torch.device(device):  # its own init runs there (fast on a GPU), then every parameter is replaced
+            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=dtype)
+        fill_synthetic(model, spec.seed)
+    else:
+        directory = checkpoint_dir(spec.path)
+        raw = json.loads((directory / "config.json").read_text())
+        refuse_remote_code(raw, f"{directory}/config.json")
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            directory, local_files_only=True, trust_remote_code=False, attn_implementation=attention, dtype=dtype
+        ).to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return BuiltModel(spec.name, model, config_fingerprint(model.config), weights_hash(model), attention)
+
+
+def parameter_scale(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
+    """(mean, std) of a synthetic parameter: norms near 1, embeddings of unit std, a linear layer's weight of std
+    1/sqrt(fan in) (activations stay of order 1 through the layers), an untied head's scaled to logits of std
+    ``LOGIT_STD``, biases small."""
+    leaf = name.rsplit(".", 1)[-1]
+    if "norm" in name and len(shape) == 1:
+        return 1.0, NORM_JITTER
+    if leaf == "bias":
+        return 0.0, 0.02
+    if "embed" in name:
+        return 0.0, 1.0
+    if name.startswith("lm_head."):
+        return 0.0, LOGIT_STD / math.sqrt(shape[-1])
+    return 0.0, 1.0 / math.sqrt(shape[-1])
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """A seed of its own per parameter name: the value of a parameter never depends on which others exist."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") % SEED_LIMIT
+
+
+@torch.no_grad()
+def fill_synthetic(model: torch.nn.Module, seed: int) -> None:
+    """Every parameter from counter-based normals of its name and ``seed`` (exact arithmetic: the same bits on
+    every device), rounded once to the parameter's dtype. Buffers (RoPE's inverse frequencies) stay as the model's
+    own construction computed them."""
+    for name, param in model.named_parameters():  # tied parameters are listed once
+        shape = tuple(param.shape)
+        mean, std = parameter_scale(name, shape)
+        rows = torch.arange(math.prod(shape[:-1]) if len(shape) > 1 else 1, dtype=torch.int64)[:, None]
+        cols = torch.arange(shape[-1], dtype=torch.int64)[None, :]
+        values = mean + std * standard_normal(parameter_seed(seed, name), "weight", rows, cols)
+        param.copy_(values.reshape(shape).to(param.dtype))
+
+
+def config_fingerprint(config: Any) -> str:
+    """sha256 of the config's canonical form: every field that differs from its class's defaults, with its
+    model_type, less what transformers adds by itself (``VOLATILE_CONFIG_FIELDS``)."""
+    fields = {k: v for k, v in config.to_diff_dict().items() if k not in VOLATILE_CONFIG_FIELDS}
+    fields["model_type"] = config.model_type
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def weights_hash(model: torch.nn.Module) -> str:
+    """sha256 over every parameter and buffer (name, dtype, shape, bits), in name order."""
+    digest = hashlib.sha256()
+    tensors = dict(model.named_parameters())
+    tensors.update((name, buffer) for name, buffer in model.named_buffers() if buffer is not None)
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().contiguous().cpu()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

@@ -1,0 +1,247 @@
+"""A whole model's forward over the ways trainers and inference engines call it (docs/whole_model.md).
+
+Token workloads: prompts of token ids from seeded counters, and responses sampled from the model itself with
+counter-based uniforms, so the rollout distribution is the model's. Cells: every way the same sequences reach the
+body (packed, padded, alone, permuted, chunked prefill and decode through a KV cache, needles). Each cell gives every
+sequence's final hidden states back in logical order, so one head call (``kernels.lm_head_logprob``) and one bitwise
+comparison judge them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from rlsweep.errors import ConfigError
+from rlsweep.hf_model import BuiltModel
+from rlsweep.synthetic import check_seed, uniform
+
+PAD_TOKEN = 0  # what a padded position holds; the mask keeps every real token from reading it
+
+
+@dataclass(frozen=True)
+class TokenWorkload:
+    """Sequences of token ids (prompt then response), each [L] int64 on the CPU; the response tokens are the judged
+    ones: a position's target is the next token."""
+
+    sequences: tuple[torch.Tensor, ...]
+    prompt_lens: tuple[int, ...]
+
+    @property
+    def seq_lens(self) -> tuple[int, ...]:
+        return tuple(int(s.numel()) for s in self.sequences)
+
+    def targets(self) -> list[torch.Tensor]:
+        """Per sequence [L]: the next token where it is a response token, else IGNORE_INDEX."""
+        out = []
+        for ids, prompt in zip(self.sequences, self.prompt_lens, strict=True):
+            target = torch.full_like(ids, kernels.IGNORE_INDEX)
+            target[prompt - 1 : -1] = ids[prompt:]
+            out.append(target)
+        return out
+
+
+def synthetic_prompts(seed: int, vocab: int, prompt_lens: Sequence[int]) -> list[torch.Tensor]:
+    """Token ids uniform over the vocab, a pure function of (seed, sample, position)."""
+    check_seed(seed, "workload.seed")
+    prompts = []
+    for sample, length in enumerate(prompt_lens):
+        positions = torch.arange(length, dtype=torch.int64)[None, :]
+        u = uniform(seed, "prompt_token", torch.tensor([[sample]], dtype=torch.int64), positions)[0]
+        prompts.append(torch.clamp((u * vocab).to(torch.int64), max=vocab - 1))
+    return prompts
+
+
+@torch.no_grad()
+def sample_responses(built: BuiltModel, prompts: Sequence[torch.Tensor], response_lens: Sequence[int], seed: int):
+    """Each prompt continued by ``response_lens`` tokens drawn from the model's own next-token distribution (its
+    logits in its dtype, softmax in float64) by inverse CDF of a counter-based uniform per (sample, position)."""
+    check_seed(seed, "workload.seed")
+    if len(prompts) != len(response_lens):
+        raise ConfigError(f"{len(prompts)} prompts but {len(response_lens)} response lengths")
+    device = built.head_weight.device
+    sequences = []
+    for sample, (prompt, n) in enumerate(zip(prompts, response_lens, strict=True)):
+        ids = prompt.clone()
+        for _ in range(n):
+            logits = built.model(input_ids=ids[None].to(device), use_cache=False).logits[0, -1]
+            probs = torch.softmax(logits.double().cpu(), dim=-1)
+            u = uniform(seed, "sample", torch.tensor([[sample]]), torch.tensor([[ids.numel()]]))[0, 0]
+            token = int(torch.searchsorted(torch.cumsum(probs, 0), u * probs.sum()).clamp(max=probs.numel() - 1))
+            ids = torch.cat([ids, torch.tensor([token])])
+        sequences.append(ids)
+    return sequences
+
+
+def token_workload(built: BuiltModel, seed: int, prompt_lens: Sequence[int], response_lens: Sequence[int]):
+    """Synthetic prompts and sampled responses: the workload of a whole-model run."""
+    for key, lens in (("prompt_lens", prompt_lens), ("response_lens", response_lens)):
+        if not lens or any(not isinstance(n, int) or n < 1 for n in lens):
+            raise ConfigError(f"workload.{key}={list(lens)!r}: one positive int per sequence")
+    vocab = built.head_weight.shape[0]
+    prompts = synthetic_prompts(seed, vocab, prompt_lens)
+    return TokenWorkload(tuple(sample_responses(built, prompts, response_lens, seed)), tuple(prompt_lens))
+
+
+# --- cells -------------------------------------------------------------------------------------------------------
+
+
+def confinement_mask(lengths: Sequence[int], attention: str, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, T, T] block-causal mask of sequences packed in one row: each token sees its own sequence's earlier
+    tokens only. Restarting position ids alone do not confine attention (docs/whole_model.md): the cell builds it.
+    sdpa takes it as bool (True: attend); eager adds it, so it is 0 / the dtype's lowest there."""
+    segment = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    allowed = torch.ones(len(segment), len(segment), dtype=torch.bool).tril() & (segment[:, None] == segment[None, :])
+    if attention == "sdpa":
+        return allowed[None, None]
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def body_hidden(built: BuiltModel, **inputs) -> torch.Tensor:
+    """The body's final hidden states (after its last norm) [B, L, H]."""
+    device = built.head_weight.device
+    moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    return built.body(**moved).last_hidden_state
+
+
+def alone(built: BuiltModel, sequences: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [body_hidden(built, input_ids=ids[None], use_cache=False)[0] for ids in sequences]
+
+
+def packed(built: BuiltModel, sequences: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """One row, as a trainer runs varlen: position ids restart per sequence, attention confined to each."""
+    lengths = [s.numel() for s in sequences]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    mask = confinement_mask(lengths, built.attention, built.head_weight.dtype)
+    row = body_hidden(built, input_ids=torch.cat(list(sequences))[None], position_ids=positions,
+                      attention_mask=mask, use_cache=False)[0]  # fmt: skip
+    return list(row.split(lengths))
+
+
+def padded(built: BuiltModel, sequences: Sequence[torch.Tensor], side: str) -> list[torch.Tensor]:
+    """One batch padded on ``side`` ("right" or "left") with a 2D attention mask; positions count real tokens."""
+    width = max(s.numel() for s in sequences)
+    ids = torch.full((len(sequences), width), PAD_TOKEN, dtype=torch.int64)
+    mask = torch.zeros((len(sequences), width), dtype=torch.int64)
+    for row, s in enumerate(sequences):
+        where = slice(0, s.numel()) if side == "right" else slice(width - s.numel(), width)
+        ids[row, where], mask[row, where] = s, 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = body_hidden(built, input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+    return [
+        out[row, : s.numel()] if side == "right" else out[row, width - s.numel() :] for row, s in enumerate(sequences)
+    ]
+
+
+def permuted(built: BuiltModel, sequences: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The right-padded batch in reversed order, restored."""
+    return padded(built, list(reversed(sequences)), "right")[::-1]
+
+
+def chunked(built: BuiltModel, sequences: Sequence[torch.Tensor], chunk: int) -> list[torch.Tensor]:
+    """Each sequence prefilled ``chunk`` tokens at a time through a KV cache (chunked prefill)."""
+    from transformers import DynamicCache
+
+    out = []
+    for ids in sequences:
+        cache = DynamicCache(config=built.model.config)
+        parts = []
+        for start in range(0, ids.numel(), chunk):
+            stop = min(start + chunk, ids.numel())
+            positions = torch.arange(start, stop)[None]
+            hidden = body_hidden(
+                built, input_ids=ids[None, start:stop], position_ids=positions, cache=cache, use_cache=True
+            )
+            parts.append(hidden[0])
+        out.append(torch.cat(parts))
+    return out
+
+
+def decode(built: BuiltModel, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int]) -> list[torch.Tensor]:
+    """As an inference engine runs a rollout: the prompts prefilled in one left-padded batch, then one token per
+    step for the whole batch through the KV cache; a sequence that has ended feeds a masked pad."""
+    from transformers import DynamicCache
+
+    width = max(prompt_lens)
+    rows = len(sequences)
+    ids = torch.full((rows, width), PAD_TOKEN, dtype=torch.int64)
+    mask = torch.zeros((rows, width), dtype=torch.int64)
+    for row, (s, p) in enumerate(zip(sequences, prompt_lens, strict=True)):
+        ids[row, width - p :], mask[row, width - p :] = s[:p], 1
+    cache = DynamicCache(config=built.model.config)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    prefill = body_hidden(
+        built, input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
+    )
+    out = [[prefill[row, width - p :]] for row, p in enumerate(prompt_lens)]
+    steps = max(s.numel() - p for s, p in zip(sequences, prompt_lens, strict=True))
+    for step in range(steps):
+        live = [p + step < s.numel() for s, p in zip(sequences, prompt_lens, strict=True)]
+        token = torch.tensor(
+            [[int(s[p + step]) if on else PAD_TOKEN] for s, p, on in zip(sequences, prompt_lens, live, strict=True)]
+        )
+        mask = torch.cat([mask, torch.tensor([[int(on)] for on in live])], dim=1)
+        position = torch.tensor([[p + step if on else 0] for p, on in zip(prompt_lens, live, strict=True)])
+        hidden = body_hidden(built, input_ids=token, attention_mask=mask, position_ids=position, cache=cache,
+                             use_cache=True)  # fmt: skip
+        for row, on in enumerate(live):
+            if on:
+                out[row].append(hidden[row])
+    return [torch.cat(parts) for parts in out]
+
+
+def needle(built: BuiltModel, sequences: Sequence[torch.Tensor], others: int, position: int) -> list[torch.Tensor]:
+    """Each sequence at batch row ``position`` among ``others`` other sequences of the workload (cycled), in a
+    right-padded batch."""
+    if not 0 <= position <= others:
+        raise ConfigError(f"needle position {position} is outside a batch of {others} others plus the needle")
+    out = []
+    for index, s in enumerate(sequences):
+        fillers = [sequences[(index + 1 + k) % len(sequences)] for k in range(others)]
+        batch = [*fillers[:position], s, *fillers[position:]]
+        out.append(padded(built, batch, "right")[position])
+    return out
+
+
+CELLS = ("packed", "pad_right", "pad_left", "alone", "permuted", "chunked", "decode", "needle")
+
+
+@torch.no_grad()
+def cell_hidden(built: BuiltModel, workload: TokenWorkload, cell: str) -> list[torch.Tensor]:
+    """Every sequence's final hidden states [L, H] in the cell named ``cell``: one of ``CELLS``, ``chunked/<n>``
+    or ``needle/M=<m>/pos=<p>``."""
+    name, _, arg = cell.partition("/")
+    sequences = workload.sequences
+    if name == "packed" and not arg:
+        return packed(built, sequences)
+    if name in ("pad_right", "pad_left") and not arg:
+        return padded(built, sequences, name.removeprefix("pad_"))
+    if name == "alone" and not arg:
+        return alone(built, sequences)
+    if name == "permuted" and not arg:
+        return permuted(built, sequences)
+    if name == "decode" and not arg:
+        return decode(built, sequences, workload.prompt_lens)
+    if name == "chunked" and arg.isdigit() and int(arg) > 0:
+        return chunked(built, sequences, int(arg))
+    if name == "needle":
+        parts = dict(part.partition("=")[::2] for part in arg.split("/"))
+        if set(parts) == {"M", "pos"} and parts["M"].isdigit() and parts["pos"].isdigit():
+            return needle(built, sequences, int(parts["M"]), int(parts["pos"]))
+    raise ConfigError(
+        f"model cell {cell!r} is not one of packed, pad_right, pad_left, alone, permuted, decode, chunked/<n> "
+        "(n > 0), needle/M=<m>/pos=<p>"
+    )
+
+
+def cell_logprobs(built: BuiltModel, workload: TokenWorkload, cell: str, *, backend: str, tp: int = 1):
+    """The judged tokens' logp and lse [N] (response tokens, sequences in order) of ``cell``: its hidden states
+    through the head of ``backend`` at ``tp`` (``kernels.lm_head_logprob``), in one call."""
+    hidden = torch.cat(cell_hidden(built, workload, cell))
+    targets = torch.cat(workload.targets()).to(hidden.device)
+    result = kernels.lm_head_logprob(hidden, built.head_weight, targets, backend=backend, tp=tp)
+    active = targets != kernels.IGNORE_INDEX
+    return result.logp[active], result.lse[active]

@@ -1,0 +1,177 @@
+"""A whole Hugging Face causal LM: built without a hub, its weights and fingerprint, its token workload, and its
+forward over the cells trainers and inference engines call it in (rlsweep/hf_model.py, rlsweep/model_cells.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import kernels  # noqa: E402
+from rlsweep.errors import ConfigError  # noqa: E402
+from rlsweep.hf_model import WholeModelSpec, build_model, weights_hash  # noqa: E402
+from rlsweep.model_cells import (  # noqa: E402
+    cell_hidden,
+    cell_logprobs,
+    confinement_mask,
+    token_workload,
+)
+
+QWEN3_TINY = {
+    "model_type": "qwen3", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 3001,
+    "max_position_embeddings": 512, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+    "tie_word_embeddings": False,
+}  # fmt: skip
+CELLS = ["alone", "pad_right", "pad_left", "permuted", "chunked/3", "chunked/1", "decode", "needle/M=3/pos=1"]
+
+
+def spec(**changes) -> WholeModelSpec:
+    fields = {**QWEN3_TINY, **changes.pop("hf_config", {})}
+    return WholeModelSpec.parse({"name": "qwen3_tiny", "source": "config", "seed": 7, "hf_config": fields, **changes})
+
+
+@pytest.fixture(scope="module")
+def eager():
+    return build_model(spec(), dtype=torch.bfloat16, attention="eager")
+
+
+@pytest.fixture(scope="module")
+def workload(eager):
+    return token_workload(eager, 3, [5, 8, 6, 9], [6, 6, 11, 10])
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+def test_transformers_never_takes_this_projects_kernels_package_for_the_hubs():
+    # transformers imports the hub's `kernels` when a package of that name has a version in its window.
+    from transformers.utils import is_kernels_available
+
+    assert not is_kernels_available()
+    assert hasattr(kernels, "lm_head_logprob")
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (
+            {"source": "checkpoint", "path": "Qwen/Qwen3-1.7B"},
+            "not a local directory: rlsweep never reaches a model hub",
+        ),
+        ({"source": "config", "hf_config": {**QWEN3_TINY, "auto_map": {"AutoModel": "x.Y"}}}, "trust_remote_code"),
+        ({"source": "config", "hf_config": {"hidden_size": 8}}, "needs the transformers config's fields"),
+        ({"source": "hub"}, "model.source='hub' is not one of"),
+        ({"source": "config", "hf_config": QWEN3_TINY, "seed": -1}, "model.seed=-1"),
+    ],
+)
+def test_a_model_that_would_reach_a_hub_or_run_remote_code_is_refused_in_one_line(raw, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        WholeModelSpec.parse({"name": "m", **raw})
+    assert "\n" not in str(err.value)
+
+
+def test_a_checkpoint_dir_needs_config_and_safetensors_and_no_auto_map(tmp_path, eager):
+    with pytest.raises(ConfigError, match=r"has no config\.json"):
+        WholeModelSpec.parse({"name": "m", "source": "checkpoint", "path": str(tmp_path)})
+    eager.model.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").rename(tmp_path / "weights.bin")
+    with pytest.raises(ConfigError, match=r"has no \*.safetensors"):
+        WholeModelSpec.parse({"name": "m", "source": "checkpoint", "path": str(tmp_path)})
+    (tmp_path / "weights.bin").rename(tmp_path / "model.safetensors")
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModelForCausalLM": "m.M"}}))
+    remote = WholeModelSpec.parse({"name": "m", "source": "checkpoint", "path": str(tmp_path)})
+    with pytest.raises(ConfigError, match="trust_remote_code"):
+        build_model(remote, dtype=torch.bfloat16, attention="eager")
+
+
+def test_synthetic_weights_are_a_function_of_name_and_seed_and_the_fingerprint_covers_config_and_bits(tmp_path, eager):
+    again = build_model(spec(), dtype=torch.bfloat16, attention="sdpa")
+    assert (again.config_fingerprint, again.weights_hash) == (eager.config_fingerprint, eager.weights_hash)
+    one_layer = build_model(spec(hf_config={"num_hidden_layers": 1}), dtype=torch.bfloat16, attention="eager")
+    shared = "model.layers.0.self_attn.q_proj.weight"  # the same name gets the same values, whatever else exists
+    assert torch.equal(bits(one_layer.model.get_parameter(shared)), bits(eager.model.get_parameter(shared)))
+    assert one_layer.config_fingerprint != eager.config_fingerprint
+    norm = eager.model.get_parameter("model.norm.weight").float()
+    assert 0.05 < norm.std() < 0.2 and abs(norm.mean() - 1) < 0.05  # near 1, not all 1: a wrong-dtype norm shows
+    rope = build_model(spec(hf_config={"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}),
+                       dtype=torch.bfloat16, attention="eager")  # fmt: skip
+    assert rope.config_fingerprint != eager.config_fingerprint
+    reseeded = build_model(spec(seed=8), dtype=torch.bfloat16, attention="eager")
+    assert reseeded.weights_hash != eager.weights_hash and reseeded.config_fingerprint == eager.config_fingerprint
+    # Saved and read back from a local dir: save_pretrained's own fields change neither fingerprint.
+    eager.model.save_pretrained(tmp_path)
+    loaded = build_model(WholeModelSpec.parse({"name": "m", "source": "checkpoint", "path": str(tmp_path)}),
+                         dtype=torch.bfloat16, attention="eager")  # fmt: skip
+    assert (loaded.config_fingerprint, loaded.weights_hash) == (eager.config_fingerprint, eager.weights_hash)
+    with torch.no_grad():
+        loaded.model.get_parameter("model.layers.1.mlp.down_proj.weight").view(-1).view(torch.int16)[5] ^= 1
+    assert weights_hash(loaded.model) != eager.weights_hash
+
+
+def test_responses_are_sampled_from_the_model_by_seed_and_the_targets_are_the_next_tokens(eager, workload):
+    assert workload.seq_lens == (11, 14, 17, 19)
+    again = token_workload(eager, 3, [5, 8, 6, 9], [6, 6, 11, 10])
+    assert all(torch.equal(a, b) for a, b in zip(workload.sequences, again.sequences, strict=True))
+    other = token_workload(eager, 4, [5, 8, 6, 9], [6, 6, 11, 10])
+    assert not all(torch.equal(a, b) for a, b in zip(workload.sequences, other.sequences, strict=True))
+    ids, target = workload.sequences[0], workload.targets()[0]
+    assert torch.equal(target[4:10], ids[5:11]) and (target[:4] == kernels.IGNORE_INDEX).all() and target[10] < 0
+    # Sampled from the model: its tokens are likelier under it than uniform ones would be.
+    logp, _ = cell_logprobs(eager, workload, "packed", backend="aten")
+    assert logp.mean() > -torch.log(torch.tensor(3001.0)) + 1.0
+
+
+def test_eager_attention_gives_the_same_bits_in_every_cell_on_this_cpu(eager, workload):
+    packed, _ = cell_logprobs(eager, workload, "packed", backend="aten")
+    assert packed.numel() == 33
+    for cell in CELLS:
+        logp, _ = cell_logprobs(eager, workload, cell, backend="aten")
+        assert torch.equal(bits(logp), bits(packed)), cell
+
+
+def test_stock_sdpa_moves_logprobs_between_cells_on_this_cpu(workload):
+    sdpa = build_model(spec(), dtype=torch.bfloat16, attention="sdpa")
+    packed, _ = cell_logprobs(sdpa, workload, "packed", backend="aten")
+    moved = {}
+    for cell in ("pad_right", "decode", "chunked/3"):
+        logp, _ = cell_logprobs(sdpa, workload, cell, backend="aten")
+        moved[cell] = int((bits(logp) != bits(packed)).sum())
+    assert all(count > 0 for count in moved.values()), moved
+
+
+def test_packed_cells_confine_attention_themselves(eager, workload):
+    lengths = list(workload.seq_lens)
+    mask = confinement_mask(lengths, "eager", torch.bfloat16)[0, 0]
+    assert mask[11, 10] == torch.finfo(torch.bfloat16).min and mask[11, 11] == 0 and mask[12, 11] == 0
+    assert confinement_mask(lengths, "sdpa", torch.bfloat16).dtype == torch.bool
+    # Restarting position ids alone let every sequence attend to the ones before it.
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    row = eager.body(input_ids=torch.cat(workload.sequences)[None], position_ids=positions).last_hidden_state[0]
+    unconfined = torch.cat(list(row.split(lengths)))
+    confined = torch.cat(cell_hidden(eager, workload, "packed"))
+    alone = torch.cat(cell_hidden(eager, workload, "alone"))
+    assert torch.equal(bits(confined), bits(alone))
+    assert (unconfined.float() - alone.float()).abs().max() > 0.05
+
+
+@pytest.mark.interpreter  # Triton on CPU tensors
+def test_the_triton_head_is_as_invariant_behind_the_body_as_alone(eager, workload):
+    packed, packed_lse = cell_logprobs(eager, workload, "packed", backend="triton", tp=2)
+    decode, decode_lse = cell_logprobs(eager, workload, "decode", backend="triton", tp=2)
+    assert torch.equal(bits(packed), bits(decode)) and torch.equal(bits(packed_lse), bits(decode_lse))
+    # Beside stock PyTorch's head on the same hidden states: both round the logits to bf16 and reduce in fp32.
+    stock, _ = cell_logprobs(eager, workload, "packed", backend="aten")
+    assert (packed - stock).abs().median() < 1e-5 and (packed - stock).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("cell", ["chunked/0", "needle/M=2/pos=3", "stacked", "alone/2"])
+def test_an_unknown_or_impossible_cell_is_refused_in_one_line(eager, workload, cell):
+    with pytest.raises(ConfigError, match=r"model cell|needle position") as err:
+        cell_hidden(eager, workload, cell)
+    assert "\n" not in str(err.value)
