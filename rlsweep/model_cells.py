@@ -9,7 +9,9 @@ comparison judge them all.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -100,107 +102,139 @@ def confinement_mask(lengths: Sequence[int], attention: str, dtype: torch.dtype)
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
 
 
-def body_hidden(built: BuiltModel, **inputs) -> torch.Tensor:
-    """The body's final hidden states (after its last norm) [B, L, H]."""
+@dataclass(frozen=True)
+class Seq:
+    """A sequence as a cell feeds it: its ids, and where its tokens start in the workload's logical order (-1: a
+    filler, whose outputs are not the workload's)."""
+
+    ids: torch.Tensor
+    start: int
+
+    def __len__(self) -> int:
+        return int(self.ids.numel())
+
+    def slots(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """The logical token index of positions [lo, hi) (all -1 for a filler)."""
+        hi = len(self) if hi is None else hi
+        if self.start < 0:
+            return torch.full((hi - lo,), -1, dtype=torch.int64)
+        return torch.arange(self.start + lo, self.start + hi, dtype=torch.int64)
+
+
+# The logical token index of each [batch row, position] of the body call in progress (-1: padding or a filler):
+# what rlsweep.divergence's hooks read to put a module's output rows back in logical order.
+CURRENT_SLOTS: ContextVar[torch.Tensor | None] = ContextVar("model_slots", default=None)
+
+
+def body_hidden(built: BuiltModel, slots: torch.Tensor, **inputs) -> torch.Tensor:
+    """The body's final hidden states (after its last norm) [B, L, H]; ``slots`` [B, L] as ``CURRENT_SLOTS``."""
     device = built.head_weight.device
     moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
-    return built.body(**moved).last_hidden_state
+    token = CURRENT_SLOTS.set(slots)
+    try:
+        return built.body(**moved).last_hidden_state
+    finally:
+        CURRENT_SLOTS.reset(token)
 
 
-def alone(built: BuiltModel, sequences: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return [body_hidden(built, input_ids=ids[None], use_cache=False)[0] for ids in sequences]
+def alone(built: BuiltModel, sequences: Sequence[Seq]) -> list[torch.Tensor]:
+    return [body_hidden(built, s.slots()[None], input_ids=s.ids[None], use_cache=False)[0] for s in sequences]
 
 
-def packed(built: BuiltModel, sequences: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def packed(built: BuiltModel, sequences: Sequence[Seq]) -> list[torch.Tensor]:
     """One row, as a trainer runs varlen: position ids restart per sequence, attention confined to each."""
-    lengths = [s.numel() for s in sequences]
+    lengths = [len(s) for s in sequences]
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     mask = confinement_mask(lengths, built.attention, built.head_weight.dtype)
-    row = body_hidden(built, input_ids=torch.cat(list(sequences))[None], position_ids=positions,
+    slots = torch.cat([s.slots() for s in sequences])[None]
+    row = body_hidden(built, slots, input_ids=torch.cat([s.ids for s in sequences])[None], position_ids=positions,
                       attention_mask=mask, use_cache=False)[0]  # fmt: skip
     return list(row.split(lengths))
 
 
-def padded(built: BuiltModel, sequences: Sequence[torch.Tensor], side: str) -> list[torch.Tensor]:
+def padded(built: BuiltModel, sequences: Sequence[Seq], side: str) -> list[torch.Tensor]:
     """One batch padded on ``side`` ("right" or "left") with a 2D attention mask; positions count real tokens."""
-    width = max(s.numel() for s in sequences)
+    width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), PAD_TOKEN, dtype=torch.int64)
     mask = torch.zeros((len(sequences), width), dtype=torch.int64)
+    slots = torch.full((len(sequences), width), -1, dtype=torch.int64)
+    wheres = []
     for row, s in enumerate(sequences):
-        where = slice(0, s.numel()) if side == "right" else slice(width - s.numel(), width)
-        ids[row, where], mask[row, where] = s, 1
+        where = slice(0, len(s)) if side == "right" else slice(width - len(s), width)
+        ids[row, where], mask[row, where], slots[row, where] = s.ids, 1, s.slots()
+        wheres.append(where)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = body_hidden(built, input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
-    return [
-        out[row, : s.numel()] if side == "right" else out[row, width - s.numel() :] for row, s in enumerate(sequences)
-    ]
+    out = body_hidden(built, slots, input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+    return [out[row, where] for row, where in enumerate(wheres)]
 
 
-def permuted(built: BuiltModel, sequences: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def permuted(built: BuiltModel, sequences: Sequence[Seq]) -> list[torch.Tensor]:
     """The right-padded batch in reversed order, restored."""
     return padded(built, list(reversed(sequences)), "right")[::-1]
 
 
-def chunked(built: BuiltModel, sequences: Sequence[torch.Tensor], chunk: int) -> list[torch.Tensor]:
+def chunked(built: BuiltModel, sequences: Sequence[Seq], chunk: int) -> list[torch.Tensor]:
     """Each sequence prefilled ``chunk`` tokens at a time through a KV cache (chunked prefill)."""
     from transformers import DynamicCache
 
     out = []
-    for ids in sequences:
+    for s in sequences:
         cache = DynamicCache(config=built.model.config)
         parts = []
-        for start in range(0, ids.numel(), chunk):
-            stop = min(start + chunk, ids.numel())
+        for start in range(0, len(s), chunk):
+            stop = min(start + chunk, len(s))
             positions = torch.arange(start, stop)[None]
-            hidden = body_hidden(
-                built, input_ids=ids[None, start:stop], position_ids=positions, cache=cache, use_cache=True
-            )
+            hidden = body_hidden(built, s.slots(start, stop)[None], input_ids=s.ids[None, start:stop],
+                                 position_ids=positions, cache=cache, use_cache=True)  # fmt: skip
             parts.append(hidden[0])
         out.append(torch.cat(parts))
     return out
 
 
-def decode(built: BuiltModel, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int]) -> list[torch.Tensor]:
+def decode(built: BuiltModel, sequences: Sequence[Seq], prompt_lens: Sequence[int]) -> list[torch.Tensor]:
     """As an inference engine runs a rollout: the prompts prefilled in one left-padded batch, then one token per
     step for the whole batch through the KV cache; a sequence that has ended feeds a masked pad."""
     from transformers import DynamicCache
 
-    width = max(prompt_lens)
-    rows = len(sequences)
+    width, rows = max(prompt_lens), len(sequences)
     ids = torch.full((rows, width), PAD_TOKEN, dtype=torch.int64)
     mask = torch.zeros((rows, width), dtype=torch.int64)
+    slots = torch.full((rows, width), -1, dtype=torch.int64)
     for row, (s, p) in enumerate(zip(sequences, prompt_lens, strict=True)):
-        ids[row, width - p :], mask[row, width - p :] = s[:p], 1
+        ids[row, width - p :], mask[row, width - p :], slots[row, width - p :] = s.ids[:p], 1, s.slots(0, p)
     cache = DynamicCache(config=built.model.config)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    prefill = body_hidden(
-        built, input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
-    )
+    prefill = body_hidden(built, slots, input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                          use_cache=True)  # fmt: skip
     out = [[prefill[row, width - p :]] for row, p in enumerate(prompt_lens)]
-    steps = max(s.numel() - p for s, p in zip(sequences, prompt_lens, strict=True))
+    steps = max(len(s) - p for s, p in zip(sequences, prompt_lens, strict=True))
     for step in range(steps):
-        live = [p + step < s.numel() for s, p in zip(sequences, prompt_lens, strict=True)]
+        live = [p + step < len(s) for s, p in zip(sequences, prompt_lens, strict=True)]
+        at = [p + step for p in prompt_lens]
         token = torch.tensor(
-            [[int(s[p + step]) if on else PAD_TOKEN] for s, p, on in zip(sequences, prompt_lens, live, strict=True)]
+            [[int(s.ids[i]) if on else PAD_TOKEN] for s, i, on in zip(sequences, at, live, strict=True)]
+        )
+        step_slots = torch.tensor(
+            [[int(s.slots(i, i + 1)) if on else -1] for s, i, on in zip(sequences, at, live, strict=True)]
         )
         mask = torch.cat([mask, torch.tensor([[int(on)] for on in live])], dim=1)
-        position = torch.tensor([[p + step if on else 0] for p, on in zip(prompt_lens, live, strict=True)])
-        hidden = body_hidden(built, input_ids=token, attention_mask=mask, position_ids=position, cache=cache,
-                             use_cache=True)  # fmt: skip
+        position = torch.tensor([[i if on else 0] for i, on in zip(at, live, strict=True)])
+        hidden = body_hidden(built, step_slots, input_ids=token, attention_mask=mask, position_ids=position,
+                             cache=cache, use_cache=True)  # fmt: skip
         for row, on in enumerate(live):
             if on:
                 out[row].append(hidden[row])
     return [torch.cat(parts) for parts in out]
 
 
-def needle(built: BuiltModel, sequences: Sequence[torch.Tensor], others: int, position: int) -> list[torch.Tensor]:
-    """Each sequence at batch row ``position`` among ``others`` other sequences of the workload (cycled), in a
-    right-padded batch."""
+def needle(built: BuiltModel, sequences: Sequence[Seq], others: int, position: int) -> list[torch.Tensor]:
+    """Each sequence at batch row ``position`` among ``others`` other sequences of the workload (cycled, as
+    fillers), in a right-padded batch."""
     if not 0 <= position <= others:
         raise ConfigError(f"needle position {position} is outside a batch of {others} others plus the needle")
     out = []
     for index, s in enumerate(sequences):
-        fillers = [sequences[(index + 1 + k) % len(sequences)] for k in range(others)]
+        fillers = [Seq(sequences[(index + 1 + k) % len(sequences)].ids, -1) for k in range(others)]
         batch = [*fillers[:position], s, *fillers[position:]]
         out.append(padded(built, batch, "right")[position])
     return out
@@ -214,7 +248,8 @@ def cell_hidden(built: BuiltModel, workload: TokenWorkload, cell: str) -> list[t
     """Every sequence's final hidden states [L, H] in the cell named ``cell``: one of ``CELLS``, ``chunked/<n>``
     or ``needle/M=<m>/pos=<p>``."""
     name, _, arg = cell.partition("/")
-    sequences = workload.sequences
+    starts = [0, *itertools.accumulate(workload.seq_lens)][:-1]
+    sequences = [Seq(ids, start) for ids, start in zip(workload.sequences, starts, strict=True)]
     if name == "packed" and not arg:
         return packed(built, sequences)
     if name in ("pad_right", "pad_left") and not arg:

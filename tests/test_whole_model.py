@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 
+import pandas as pd
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
 import kernels  # noqa: E402
+from rlsweep.divergence import DIVERGENCE_COLUMNS, first_diverging  # noqa: E402
 from rlsweep.errors import ConfigError  # noqa: E402
 from rlsweep.hf_model import WholeModelSpec, build_model, weights_hash  # noqa: E402
 from rlsweep.model_cells import (  # noqa: E402
@@ -175,3 +177,32 @@ def test_an_unknown_or_impossible_cell_is_refused_in_one_line(eager, workload, c
     with pytest.raises(ConfigError, match=r"model cell|needle position") as err:
         cell_hidden(eager, workload, cell)
     assert "\n" not in str(err.value)
+
+
+def test_the_first_diverging_op_of_stock_sdpa_is_its_first_attention(workload, tmp_path):
+    sdpa = build_model(spec(), dtype=torch.bfloat16, attention="sdpa")
+    for cell in ("pad_right", "decode"):
+        table = first_diverging(sdpa, workload, cell)
+        (first,) = table[table.first_diverging].itertuples()
+        assert (first.module, first.module_class) == ("model.layers.0.self_attn", "Qwen3Attention"), cell
+        assert first.inputs_equal and first.tokens_differing > 0 and first.max_abs_diff > 0
+        before = table[(table.order < first.order) & ~table.module.map(lambda m: first.module.startswith(m + "."))]
+        assert len(before) == 3 and (before.tokens_differing == 0).all()  # all that ran before it, not around it
+    table.to_parquet(tmp_path / "divergence.parquet")
+    assert list(pd.read_parquet(tmp_path / "divergence.parquet").columns) == list(DIVERGENCE_COLUMNS)
+
+
+def test_a_layout_dependent_bug_deep_in_the_body_is_named_and_an_invariant_body_names_none(eager, workload):
+    table = first_diverging(eager, workload, "pad_right")
+    assert not table.first_diverging.any() and (table.tokens_differing == 0).all() and table.inputs_equal.all()
+    down = eager.model.get_submodule("model.layers.1.mlp.down_proj")
+    stock = down.forward
+    # A bug that shows only when more than one sequence shares the call: a hair-wide scale on its output.
+    down.forward = lambda x: stock(x) * (1.0 + 2.0**-6) if x.shape[0] > 1 else stock(x)
+    try:
+        table = first_diverging(eager, workload, "pad_right")
+    finally:
+        del down.forward
+    (first,) = table[table.first_diverging].itertuples()
+    assert (first.module, first.module_class) == ("model.layers.1.mlp.down_proj", "Linear")
+    assert first.tokens_differing > 0
