@@ -280,3 +280,30 @@ def cell_logprobs(built: BuiltModel, workload: TokenWorkload, cell: str, *, back
     result = kernels.lm_head_logprob(hidden, built.head_weight, targets, backend=backend, tp=tp)
     active = targets != kernels.IGNORE_INDEX
     return result.logp[active], result.lse[active]
+
+
+ROLLOUT_CELLS = ("decode", "pad_left", "alone")  # how engines call the body: the rollout side of the metrics
+PPO_CLIP = (0.8, 1.2)  # the clip interval of clipfrac0, as the head's runs default it
+
+
+def trainer_vs_rollout(built: BuiltModel, workload: TokenWorkload, *, backend: str, tp: int = 1,
+                       trainer_cell: str = "packed", rollout_cells: Sequence[str] = ROLLOUT_CELLS,
+                       clip: tuple[float, float] = PPO_CLIP):  # fmt: skip
+    """verl's rollout-vs-training mismatch metrics (``rlsweep.mismatch.METRICS``) of the trainer's cell (lhs) against
+    each rollout cell (rhs, the sampling side) over the judged tokens: one row per (rollout cell, metric name)."""
+    import pandas as pd
+
+    from rlsweep.mismatch import ALIAS_OF, BY_NAME, REPORTED_NAMES, ActiveTokens
+
+    trainer, _ = cell_logprobs(built, workload, trainer_cell, backend=backend, tp=tp)
+    sample_ids = torch.cat([torch.full((int((t >= 0).sum()),), i) for i, t in enumerate(workload.targets())])
+    rows = []
+    for cell in rollout_cells:
+        rollout, _ = cell_logprobs(built, workload, cell, backend=backend, tp=tp)
+        tokens = ActiveTokens.of(sample_ids, rollout, clip)
+        dlogp = trainer.double().cpu() - rollout.double().cpu()
+        for name in REPORTED_NAMES:
+            metric = BY_NAME[ALIAS_OF.get(name, name)]
+            rows.append({"trainer_cell": trainer_cell, "rollout_cell": cell, "metric": name,
+                         "value": metric.value(dlogp, tokens), "tokens": tokens.count})  # fmt: skip
+    return pd.DataFrame(rows)

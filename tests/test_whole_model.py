@@ -20,6 +20,7 @@ from rlsweep.model_cells import (  # noqa: E402
     cell_logprobs,
     confinement_mask,
     token_workload,
+    trainer_vs_rollout,
 )
 
 QWEN3_TINY = {
@@ -186,7 +187,8 @@ def test_the_first_diverging_op_of_stock_sdpa_is_its_first_attention(workload, t
         (first,) = table[table.first_diverging].itertuples()
         assert (first.module, first.module_class) == ("model.layers.0.self_attn", "Qwen3Attention"), cell
         assert first.inputs_equal and first.tokens_differing > 0 and first.max_abs_diff > 0
-        before = table[(table.order < first.order) & ~table.module.map(lambda m: first.module.startswith(m + "."))]
+        around = {module for module in table.module if first.module.startswith(module + ".")}
+        before = table[(table.order < first.order) & ~table.module.isin(around)]
         assert len(before) == 3 and (before.tokens_differing == 0).all()  # all that ran before it, not around it
     table.to_parquet(tmp_path / "divergence.parquet")
     assert list(pd.read_parquet(tmp_path / "divergence.parquet").columns) == list(DIVERGENCE_COLUMNS)
@@ -206,3 +208,17 @@ def test_a_layout_dependent_bug_deep_in_the_body_is_named_and_an_invariant_body_
     (first,) = table[table.first_diverging].itertuples()
     assert (first.module, first.module_class) == ("model.layers.1.mlp.down_proj", "Linear")
     assert first.tokens_differing > 0
+
+
+def test_trainer_against_rollout_metrics_are_exactly_zero_only_where_the_bits_agree(eager, workload):
+    invariant = trainer_vs_rollout(eager, workload, backend="aten")
+    assert set(invariant.rollout_cell) == {"decode", "pad_left", "alone"} and (invariant.tokens == 33).all()
+    ratio = invariant.metric == "ppl_ratio"
+    assert (invariant.value[ratio] == 1.0).all() and (invariant.value[~ratio] == 0.0).all()
+    sdpa = build_model(spec(), dtype=torch.bfloat16, attention="sdpa")
+    stock = trainer_vs_rollout(sdpa, workload, backend="aten").set_index(["rollout_cell", "metric"]).value
+    trainer, _ = cell_logprobs(sdpa, workload, "packed", backend="aten")
+    rollout, _ = cell_logprobs(sdpa, workload, "decode", backend="aten")
+    x = trainer.double() - rollout.double()  # verl's k3 of pi_train / pi_rollout, by hand
+    assert stock["decode", "k3_kl"] == pytest.approx(float((x.exp() - 1 - x).mean()), rel=1e-12)
+    assert stock["decode", "k3_kl"] > 0 and stock["decode", "ppl_ratio"] != 1.0
