@@ -4,6 +4,7 @@ forward over the cells trainers and inference engines call it in (rlsweep/hf_mod
 from __future__ import annotations
 
 import json
+import types
 
 import pandas as pd
 import pytest
@@ -22,6 +23,7 @@ from rlsweep.model_cells import (  # noqa: E402
     token_workload,
     trainer_vs_rollout,
 )
+from rlsweep.module_accuracy import ACCURACY_COLUMNS, module_accuracy  # noqa: E402
 
 QWEN3_TINY = {
     "model_type": "qwen3", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
@@ -222,3 +224,33 @@ def test_trainer_against_rollout_metrics_are_exactly_zero_only_where_the_bits_ag
     x = trainer.double() - rollout.double()  # verl's k3 of pi_train / pi_rollout, by hand
     assert stock["decode", "k3_kl"] == pytest.approx(float((x.exp() - 1 - x).mean()), rel=1e-12)
     assert stock["decode", "k3_kl"] > 0 and stock["decode", "ppl_ratio"] != 1.0
+
+
+def norms_in_bf16(built):
+    """The realistic bug: RMSNorm's mean of squares, rsqrt and product in the input's bf16, not in fp32."""
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    for module in built.body.modules():
+        if type(module).__name__ == "Qwen3RMSNorm":
+            module.forward = types.MethodType(forward, module)
+
+
+def test_every_module_is_within_its_op_class_bound_and_realistic_body_bugs_are_red(workload):
+    stock = module_accuracy(build_model(spec(), dtype=torch.bfloat16, attention="eager"), workload)
+    assert set(stock.op_class) == {"linear", "rmsnorm", "rotary"} and len(stock) == 2 * 7 + 2 * 4 + 1 + 1
+    assert stock.passed.all() and (stock.bound_used > 0.5).all(), stock  # the bounds are tight, not vacuous
+    assert (stock.elements > 0).all() and list(stock.columns) == list(ACCURACY_COLUMNS)
+    buggy = build_model(spec(), dtype=torch.bfloat16, attention="eager")
+    norms_in_bf16(buggy)
+    table = module_accuracy(buggy, workload).set_index("module")
+    norms = table[table.op_class == "rmsnorm"]
+    assert (~norms.passed).all() and norms.bound_used.min() > 1.5, norms
+    assert table[table.op_class != "rmsnorm"].passed.all()  # each module is judged on its own inputs
+    # A RoPE base of 1e4 where the config says 1e6.
+    rope = build_model(spec(), dtype=torch.bfloat16, attention="eager")
+    rotary = rope.body.rotary_emb
+    rotary.inv_freq.copy_(1.0 / (1e4 ** (torch.arange(0, 32, 2, dtype=torch.float32) / 32)))
+    table = module_accuracy(rope, workload).set_index("module")
+    assert not table.passed["model.rotary_emb"] and table.bound_used["model.rotary_emb"] > 100
