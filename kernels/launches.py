@@ -216,7 +216,24 @@ def observed_launch(name: str) -> KernelLaunch | None:
         return None
     if namespace == "aten":
         return KernelLaunch(name) if reducing_op(op) else None
-    return None if namespace in TORCH_NAMESPACES else KernelLaunch(name)
+    if namespace in TORCH_NAMESPACES or not touches_tensors(namespace, op):
+        return None
+    return KernelLaunch(name)
+
+
+@functools.cache
+def touches_tensors(namespace: str, name: str) -> bool:
+    """Whether the custom op ``namespace::name`` takes or returns a tensor in any overload. One that does neither
+    computes nothing on the node's tensors: a version query a library makes while it imports (seen on CUDA:
+    ``torchvision::_cuda_version``, inside Liger-Kernel's first call). An op whose schema cannot be read counts as
+    touching them."""
+    try:
+        packet = getattr(getattr(torch.ops, namespace), name)
+        schemas = [getattr(packet, overload)._schema for overload in packet.overloads()]
+    except (AttributeError, RuntimeError):
+        return True
+    types = [str(value.type) for schema in schemas for value in (*schema.arguments, *schema.returns)]
+    return not schemas or any("Tensor" in kind for kind in types)
 
 
 @functools.cache

@@ -9,6 +9,7 @@ comparison judge them all.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Sequence
 from contextvars import ContextVar
@@ -127,14 +128,27 @@ CURRENT_SLOTS: ContextVar[torch.Tensor | None] = ContextVar("model_slots", defau
 
 
 def body_hidden(built: BuiltModel, slots: torch.Tensor, **inputs) -> torch.Tensor:
-    """The body's final hidden states (after its last norm) [B, L, H]; ``slots`` [B, L] as ``CURRENT_SLOTS``."""
+    """The body's final hidden states (after its last norm) [B, L, H]; ``slots`` [B, L] as ``CURRENT_SLOTS``. A
+    KV cache goes in as ``cache``: under the name this transformers' body takes (``cache`` from 5.24, before it
+    ``past_key_values``, which 5.24 still takes with a warning; a name the body ignores would drop the cache)."""
     device = built.head_weight.device
     moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    if "cache" in moved:
+        moved[cache_keyword(built.body)] = moved.pop("cache")
     token = CURRENT_SLOTS.set(slots)
     try:
         return built.body(**moved).last_hidden_state
     finally:
         CURRENT_SLOTS.reset(token)
+
+
+def cache_keyword(body: torch.nn.Module) -> str:
+    """The keyword under which ``body.forward`` takes a KV cache."""
+    parameters = inspect.signature(body.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in parameters:
+            return name
+    raise ConfigError(f"{type(body).__name__}.forward takes no KV cache (neither cache= nor past_key_values=)")
 
 
 def alone(built: BuiltModel, sequences: Sequence[Seq]) -> list[torch.Tensor]:

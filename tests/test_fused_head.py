@@ -13,6 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from conftest import liger_interpreted
 from rlsweep_fixtures import compose_run
 
 import kernels
@@ -25,6 +26,7 @@ TESTS = Path(__file__).parent
 needs_liger = pytest.mark.skipif(
     importlib.util.find_spec("liger_kernel") is None, reason="Liger-Kernel is not installed (pip install -e '.[liger]')"
 )
+
 LIGER_KERNEL = "liger_kernel.ops.cross_entropy.liger_cross_entropy_kernel"
 ROWS, HIDDEN, VOCAB = 21, 32, 1000
 
@@ -38,6 +40,7 @@ def liger_inputs(make_inputs):
 
 @needs_liger
 @pytest.mark.interpreter
+@liger_interpreted
 def test_liger_is_called_as_the_library_and_judged_on_logp_alone(make_inputs):
     inp, targets = liger_inputs(make_inputs)
     with kernels.observed_provenance():
@@ -158,6 +161,8 @@ BUGS = ("liger_z_loss_cpu", "liger_temperature_cpu", "liger_last_row_cpu")
 
 @needs_liger
 @pytest.mark.slow
+@pytest.mark.interpreter  # liger_cpu_bf16: its kernel under the Triton interpreter
+@liger_interpreted
 def test_liger_is_green_beside_stock_pytorch_and_its_realistic_bugs_are_red_by_a_margin(tmp_path):
     """On the default workload (its logit regimes are where a head's error shows), one cell: the correct library is
     GREEN with a logp-only parity row against stock PyTorch; a leaked z-loss, a hair-wide temperature and a dropped

@@ -10,10 +10,10 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import triton_runs_on
+from conftest import liger_interpreted, triton_runs_on
 
 import kernels
-from kernels.launches import COMPILED_GRAPH_KERNEL
+from kernels.launches import COMPILED_GRAPH_KERNEL, observed_provenance, observing_dispatcher, recording_launches
 from kernels.provenance import call_node
 from kernels.triton_backend import INTERPRETER_FORWARD_TILING, TritonBackend
 
@@ -82,7 +82,10 @@ class TritonFallingBackOnNarrowShards(TritonBackend):
 # these CPU inputs needs the interpreter.
 RUNNABLE = [
     pytest.param(
-        backend, tp, marks=[pytest.mark.interpreter] * getattr(kernels.BACKENDS[backend], "runs_triton", False)
+        backend,
+        tp,
+        marks=[pytest.mark.interpreter] * getattr(kernels.BACKENDS[backend], "runs_triton", False)
+        + [liger_interpreted] * (backend == "liger"),
     )
     for backend in BUILTIN
     for tp in (1, 2)
@@ -280,3 +283,22 @@ def test_distributed_ranks_report_their_own_launches(make_inputs):
     assert provenance.tp_mode == "distributed"
     assert kernels.provenance_mismatches(dict.fromkeys(kernels.OP_NODES, "aten"), provenance) == []
     assert provenance.nodes["matmul"].kernels == ("aten::mm",)
+
+
+@torch.library.custom_op("rlsweep_test::version_query", mutates_args=())
+def version_query() -> int:
+    return 7
+
+
+@torch.library.custom_op("rlsweep_test::double_it", mutates_args=())
+def double_it(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def test_a_custom_op_that_touches_no_tensor_is_not_a_launch_and_one_that_does_is():
+    """A library's version query while it imports (seen on CUDA: torchvision::_cuda_version inside Liger-Kernel's
+    first call) computes nothing on the node's tensors; a custom op that takes a tensor is recorded whatever it does."""
+    with observed_provenance(), recording_launches() as launches, observing_dispatcher():
+        torch.ops.rlsweep_test.version_query()
+        torch.ops.rlsweep_test.double_it(torch.ones(3))
+    assert [launch.kernel for launch in launches] == ["rlsweep_test::double_it"]
