@@ -156,3 +156,22 @@ def module_accuracy(built: BuiltModel, workload: TokenWorkload, cell: str = "pac
     if not math.isfinite(table.bound_used.sum()):
         table.loc[~table.bound_used.map(math.isfinite), "passed"] = False
     return table
+
+
+def end_to_end_error(built: BuiltModel, workload: TokenWorkload, logp: torch.Tensor) -> dict:
+    """The judged tokens' ``logp`` [N] (any cell's, from any head) against a float64 forward of the same weights,
+    body and head, each sequence alone (no mask: the truth does not depend on the layout, and a float64 mask's
+    lowest value can overflow to -inf in a fully masked padding row). Reported, not judged: no bound is proven for
+    the whole forward."""
+    import copy
+    from dataclasses import replace
+
+    model64 = copy.deepcopy(built.model).to(torch.float64)
+    hidden = torch.cat(cell_hidden(replace(built, model=model64), workload, "alone"))
+    logits = hidden @ model64.get_output_embeddings().weight.double().T
+    targets = torch.cat(workload.targets()).to(hidden.device)
+    active = targets >= 0
+    reference = torch.log_softmax(logits[active], dim=-1).gather(1, targets[active, None])[:, 0]
+    error = (logp.double().to(reference.device) - reference).abs()
+    return {"tokens": int(error.numel()), "max_abs_error": float(error.max()),
+            "mean_abs_error": float(error.mean())}  # fmt: skip

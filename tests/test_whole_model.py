@@ -23,7 +23,7 @@ from rlsweep.model_cells import (  # noqa: E402
     token_workload,
     trainer_vs_rollout,
 )
-from rlsweep.module_accuracy import ACCURACY_COLUMNS, module_accuracy  # noqa: E402
+from rlsweep.module_accuracy import ACCURACY_COLUMNS, end_to_end_error, module_accuracy  # noqa: E402
 
 QWEN3_TINY = {
     "model_type": "qwen3", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
@@ -254,3 +254,15 @@ def test_every_module_is_within_its_op_class_bound_and_realistic_body_bugs_are_r
     rotary.inv_freq.copy_(1.0 / (1e4 ** (torch.arange(0, 32, 2, dtype=torch.float32) / 32)))
     table = module_accuracy(rope, workload).set_index("module")
     assert not table.passed["model.rotary_emb"] and table.bound_used["model.rotary_emb"] > 100
+
+
+def test_the_end_to_end_error_against_a_float64_forward_is_reported_for_any_cell(eager, workload):
+    sdpa = build_model(spec(), dtype=torch.bfloat16, attention="sdpa")
+    errors = {}
+    for name, built in (("eager", eager), ("sdpa", sdpa)):
+        for cell in ("packed", "decode"):
+            logp, _ = cell_logprobs(built, workload, cell, backend="aten")
+            errors[name, cell] = end_to_end_error(built, workload, logp)
+    assert all(e["tokens"] == 33 and 0 < e["mean_abs_error"] <= e["max_abs_error"] < 0.5 for e in errors.values())
+    assert errors["eager", "packed"] == errors["eager", "decode"]  # the same bits, the same float64 truth
+    assert errors["sdpa", "packed"] != errors["sdpa", "decode"]
