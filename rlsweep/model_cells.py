@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import inspect
 import itertools
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -321,3 +323,48 @@ def trainer_vs_rollout(built: BuiltModel, workload: TokenWorkload, *, backend: s
             rows.append({"trainer_cell": trainer_cell, "rollout_cell": cell, "metric": name,
                          "value": metric.value(dlogp, tokens), "tokens": tokens.count})  # fmt: skip
     return pd.DataFrame(rows)
+
+
+@contextmanager
+def watching_attention(built: BuiltModel) -> Iterator[list[str]]:
+    """The attention functions that actually ran while the block runs (``module.function``), whatever the config
+    says was selected: transformers looks its attention up in ``ALL_ATTENTION_FUNCTIONS`` under the config's
+    implementation on every call (falling back to the modeling module's ``eager_attention_forward``), so the entry is
+    wrapped for the block and put back after it."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    key = built.model.config._attn_implementation
+    modeling = {sys.modules[type(m).__module__] for m in built.body.modules() if type(m).__name__.endswith("Attention")}
+    default = next((m.eager_attention_forward for m in modeling if hasattr(m, "eager_attention_forward")), None)
+    original = ALL_ATTENTION_FUNCTIONS.get_interface(key, default)
+    ran: list[str] = []
+
+    def watched(module: torch.nn.Module, *args, **kwargs):
+        ran.append(f"{original.__module__}.{original.__qualname__}")
+        return original(module, *args, **kwargs)
+
+    local = ALL_ATTENTION_FUNCTIONS._local_mapping
+    before = local.get(key)
+    local[key] = watched
+    try:
+        yield ran
+    finally:
+        if before is None:
+            local.pop(key, None)
+        else:
+            local[key] = before
+
+
+def body_provenance(built: BuiltModel, workload: TokenWorkload, cell: str) -> dict[str, list[str]]:
+    """What the body ran in ``cell``: the attention functions transformers called, and the dispatcher's ops that
+    decide the bits (matmuls, reductions, attention kernels, custom ops: ``kernels.launches``), each once, in the
+    order they first ran."""
+    from kernels.launches import observed_provenance, observing_dispatcher, recording_launches
+
+    with watching_attention(built) as attention, observed_provenance(), recording_launches() as launches:
+        with observing_dispatcher():
+            cell_hidden(built, workload, cell)
+    return {
+        "attention": list(dict.fromkeys(attention)),
+        "kernels": list(dict.fromkeys(launch.kernel for launch in launches)),
+    }

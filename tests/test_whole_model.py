@@ -17,6 +17,7 @@ from rlsweep.divergence import DIVERGENCE_COLUMNS, first_diverging  # noqa: E402
 from rlsweep.errors import ConfigError  # noqa: E402
 from rlsweep.hf_model import WholeModelSpec, build_model, weights_hash  # noqa: E402
 from rlsweep.model_cells import (  # noqa: E402
+    body_provenance,
     cell_hidden,
     cell_logprobs,
     confinement_mask,
@@ -266,3 +267,18 @@ def test_the_end_to_end_error_against_a_float64_forward_is_reported_for_any_cell
     assert all(e["tokens"] == 33 and 0 < e["mean_abs_error"] <= e["max_abs_error"] < 0.5 for e in errors.values())
     assert errors["eager", "packed"] == errors["eager", "decode"]  # the same bits, the same float64 truth
     assert errors["sdpa", "packed"] != errors["sdpa", "decode"]
+
+
+def test_the_body_records_which_attention_function_and_kernels_ran(eager, workload):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ran = body_provenance(eager, workload, "decode")
+    assert ran["attention"] == ["transformers.models.qwen3.modeling_qwen3.eager_attention_forward"]
+    assert {"aten::linear", "aten::matmul", "aten::softmax"} <= set(ran["kernels"])
+    assert not any("scaled_dot_product" in kernel for kernel in ran["kernels"])
+    sdpa = body_provenance(build_model(spec(), dtype=torch.bfloat16, attention="sdpa"), workload, "packed")
+    assert sdpa["attention"] == ["transformers.integrations.sdpa_attention.sdpa_attention_forward"]
+    assert "aten::scaled_dot_product_attention" in sdpa["kernels"] and "aten::softmax" not in sdpa["kernels"]
+    assert (
+        "eager" not in ALL_ATTENTION_FUNCTIONS._local_mapping and "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
+    )
