@@ -86,6 +86,14 @@ def token_workload(built: BuiltModel, seed: int, prompt_lens: Sequence[int], res
     for key, lens in (("prompt_lens", prompt_lens), ("response_lens", response_lens)):
         if not lens or any(not isinstance(n, int) or n < 1 for n in lens):
             raise ConfigError(f"workload.{key}={list(lens)!r}: one positive int per sequence")
+    if len(prompt_lens) != len(response_lens):
+        raise ConfigError(f"workload: {len(prompt_lens)} prompt_lens but {len(response_lens)} response_lens")
+    limit = getattr(built.model.config, "max_position_embeddings", None)
+    longest = max(p + r for p, r in zip(prompt_lens, response_lens, strict=True))
+    if limit is not None and longest > limit:
+        raise ConfigError(
+            f"workload: a sequence of {longest} tokens is longer than the model's max_position_embeddings={limit}"
+        )
     vocab = built.head_weight.shape[0]
     prompts = synthetic_prompts(seed, vocab, prompt_lens)
     return TokenWorkload(tuple(sample_responses(built, prompts, response_lens, seed)), tuple(prompt_lens))

@@ -282,3 +282,16 @@ def test_the_body_records_which_attention_function_and_kernels_ran(eager, worklo
     assert (
         "eager" not in ALL_ATTENTION_FUNCTIONS._local_mapping and "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
     )
+
+
+@pytest.mark.parametrize(
+    ("prompts", "responses", "message"),
+    [
+        ([5, 0], [3, 3], r"prompt_lens=\[5, 0\]: one positive int per sequence"),
+        ([5], [3, 3], "1 prompt_lens but 2 response_lens"),
+        ([500], [13], "513 tokens is longer than the model's max_position_embeddings=512"),
+    ],
+)
+def test_a_token_workload_the_model_cannot_take_is_refused_in_one_line(eager, prompts, responses, message):
+    with pytest.raises(ConfigError, match=message):
+        token_workload(eager, 3, prompts, responses)
