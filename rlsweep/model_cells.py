@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import torch
 
 import kernels
-from rlsweep.errors import ConfigError
+from rlsweep.errors import ConfigError, ReplayInputError
 from rlsweep.hf_model import BuiltModel
 from rlsweep.synthetic import check_seed, uniform
+from rlsweep.tensor_files import TensorFile
 
 PAD_TOKEN = 0  # what a padded position holds; the mask keeps every real token from reading it
 
@@ -97,6 +98,51 @@ def token_workload(built: BuiltModel, seed: int, prompt_lens: Sequence[int], res
     vocab = built.head_weight.shape[0]
     prompts = synthetic_prompts(seed, vocab, prompt_lens)
     return TokenWorkload(tuple(sample_responses(built, prompts, response_lens, seed)), tuple(prompt_lens))
+
+
+REPLAY_TOKENS = ("input_ids", "seq_lens", "prompt_lens")  # a replayed token workload's tensors, all integer
+
+
+def replayed_workload(path: str, vocab: int, key: str = "workload.path") -> TokenWorkload:
+    """Sequences captured from a real rollout: a safetensors file of ``input_ids`` [T] (the sequences concatenated),
+    ``seq_lens`` [S] and ``prompt_lens`` [S]. Anything the cells could not run, or that would judge no token, is a
+    ReplayInputError naming the file and the value: a missing tensor, a non-integer or multi-dimensional one,
+    lengths that do not add up, a prompt that leaves no response token, a token id outside the vocab."""
+    source = TensorFile(path, "token replay file", key)
+    headers = source.headers()
+    for name in REPLAY_TOKENS:
+        found = headers.get(name)
+        if found is None:
+            raise ReplayInputError(f"{source.describe()} has no {name!r} tensor (it needs {list(REPLAY_TOKENS)})")
+        if found.dtype is None or found.dtype.is_floating_point or found.dtype == torch.bool or len(found.shape) != 1:
+            raise ReplayInputError(
+                f"{source.describe()}: {name} is {found.describe()}; it must be a 1-D integer tensor"
+            )
+    tensors = {name: t.to(torch.int64) for name, t in source.load(REPLAY_TOKENS).items()}
+    ids, seq_lens, prompt_lens = (tensors[name] for name in REPLAY_TOKENS)
+    if seq_lens.numel() == 0 or seq_lens.numel() != prompt_lens.numel():
+        raise ReplayInputError(
+            f"{source.describe()}: seq_lens has {seq_lens.numel()} entries and prompt_lens {prompt_lens.numel()}; "
+            "one of each per sequence, at least one sequence"
+        )
+    if int(seq_lens.sum()) != ids.numel() or bool((seq_lens < 2).any()):
+        raise ReplayInputError(
+            f"{source.describe()}: seq_lens {seq_lens.tolist()[:8]} must each be >= 2 and add up to input_ids' "
+            f"{ids.numel()} tokens"
+        )
+    short = ((prompt_lens < 1) | (prompt_lens >= seq_lens)).nonzero()
+    if short.numel():
+        i = int(short[0])
+        raise ReplayInputError(
+            f"{source.describe()}: sequence {i} has prompt_lens {int(prompt_lens[i])} of seq_lens {int(seq_lens[i])}; "
+            "a prompt needs at least 1 token and must leave at least 1 response token"
+        )
+    outside = ((ids < 0) | (ids >= vocab)).nonzero()
+    if outside.numel():
+        i = int(outside[0])
+        raise ReplayInputError(f"{source.describe()}: input_ids[{i}] = {int(ids[i])} is outside the vocab [0, {vocab})")
+    sequences = tuple(ids.split(seq_lens.tolist()))
+    return TokenWorkload(tuple(s.clone() for s in sequences), tuple(int(p) for p in prompt_lens))
 
 
 # --- cells -------------------------------------------------------------------------------------------------------

@@ -14,13 +14,14 @@ transformers = pytest.importorskip("transformers")
 
 import kernels  # noqa: E402
 from rlsweep.divergence import DIVERGENCE_COLUMNS, first_diverging  # noqa: E402
-from rlsweep.errors import ConfigError  # noqa: E402
+from rlsweep.errors import ConfigError, ReplayInputError  # noqa: E402
 from rlsweep.hf_model import WholeModelSpec, build_model, weights_hash  # noqa: E402
 from rlsweep.model_cells import (  # noqa: E402
     body_provenance,
     cell_hidden,
     cell_logprobs,
     confinement_mask,
+    replayed_workload,
     token_workload,
     trainer_vs_rollout,
 )
@@ -295,3 +296,56 @@ def test_the_body_records_which_attention_function_and_kernels_ran(eager, worklo
 def test_a_token_workload_the_model_cannot_take_is_refused_in_one_line(eager, prompts, responses, message):
     with pytest.raises(ConfigError, match=message):
         token_workload(eager, 3, prompts, responses)
+
+
+def save_tokens(path, **tensors):
+    from safetensors.torch import save_file
+
+    save_file({name: t.contiguous() for name, t in tensors.items()}, str(path))
+    return str(path)
+
+
+def test_a_replayed_token_workload_is_the_captured_one(eager, workload, tmp_path):
+    path = save_tokens(
+        tmp_path / "tokens.safetensors",
+        input_ids=torch.cat(workload.sequences),
+        seq_lens=torch.tensor(workload.seq_lens, dtype=torch.int32),
+        prompt_lens=torch.tensor(workload.prompt_lens),
+    )
+    replayed = replayed_workload(path, vocab=3001)
+    assert replayed.prompt_lens == workload.prompt_lens
+    assert all(torch.equal(a, b) for a, b in zip(replayed.sequences, workload.sequences, strict=True))
+    logp, _ = cell_logprobs(eager, replayed, "decode", backend="aten")
+    assert torch.equal(bits(logp), bits(cell_logprobs(eager, workload, "decode", backend="aten")[0]))
+
+
+IDS = torch.tensor([5, 6, 7, 8, 9, 10, 11])
+GOOD = {"input_ids": IDS, "seq_lens": torch.tensor([3, 4]), "prompt_lens": torch.tensor([1, 2])}
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"prompt_lens": None}, r"has no 'prompt_lens' tensor"),
+        ({"input_ids": IDS.float()}, r"input_ids is F32 \[7\]; it must be a 1-D integer tensor"),
+        ({"seq_lens": torch.tensor([[3, 4]])}, r"seq_lens is I64 \[1, 2\]"),
+        ({"seq_lens": torch.tensor([3, 3])}, r"must each be >= 2 and add up to input_ids' 7 tokens"),
+        ({"prompt_lens": torch.tensor([1])}, r"seq_lens has 2 entries and prompt_lens 1"),
+        ({"prompt_lens": torch.tensor([1, 4])}, r"sequence 1 has prompt_lens 4 of seq_lens 4"),
+        ({"input_ids": torch.tensor([5, 6, 7, 8, 3001, 10, 11])}, r"input_ids\[4\] = 3001 is outside the vocab"),
+    ],
+)
+def test_a_token_replay_file_the_cells_cannot_run_is_refused_in_one_line(tmp_path, changes, message):
+    tensors = {k: v for k, v in {**GOOD, **changes}.items() if v is not None}
+    path = save_tokens(tmp_path / "tokens.safetensors", **tensors)
+    with pytest.raises(ReplayInputError, match=message) as err:
+        replayed_workload(path, vocab=3001)
+    assert "\n" not in str(err.value) and path in str(err.value)
+
+
+def test_a_token_replay_path_that_is_no_safetensors_file_is_refused_in_one_line(tmp_path):
+    (tmp_path / "tokens.safetensors").write_text("not safetensors")
+    for path in (tmp_path / "missing.safetensors", tmp_path, tmp_path / "tokens.safetensors"):
+        with pytest.raises(ReplayInputError, match="token replay file") as err:
+            replayed_workload(str(path), vocab=3001)
+        assert "\n" not in str(err.value)
