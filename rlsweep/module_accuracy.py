@@ -117,7 +117,7 @@ def judge_call(built: BuiltModel, call: Call) -> tuple[str, int, float, float]:
         errors = (y.double() - y64).abs()
     else:
         config = built.model.config
-        theta = config.rope_parameters["rope_theta"]
+        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", getattr(config, "rope_theta", None))
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         position_ids = call.kwargs.get("position_ids", call.args[1] if len(call.args) > 1 else None)
         cos, sin = call.output
@@ -133,7 +133,9 @@ def judge_call(built: BuiltModel, call: Call) -> tuple[str, int, float, float]:
         errors, bound = torch.cat(errors), torch.cat(bound)
     used = errors / bound.clamp(min=torch.finfo(torch.float64).tiny)
     used = torch.where(errors == 0, torch.zeros_like(used), used)
-    return kind, errors.numel(), float(errors.max()), float(used.max())
+    # A NaN or infinite output (or a NaN error) uses all of any bound: it never passes, and max() never drops it.
+    used = torch.where(torch.isfinite(errors), used, torch.full_like(used, math.inf))
+    return kind, errors.numel(), float(errors.nan_to_num(nan=math.inf).max()), float(used.max())
 
 
 def module_accuracy(built: BuiltModel, workload: TokenWorkload, cell: str = "packed") -> pd.DataFrame:

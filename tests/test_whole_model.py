@@ -4,6 +4,7 @@ forward over the cells trainers and inference engines call it in (rlsweep/hf_mod
 from __future__ import annotations
 
 import json
+import math
 import types
 
 import pandas as pd
@@ -349,3 +350,19 @@ def test_a_token_replay_path_that_is_no_safetensors_file_is_refused_in_one_line(
         with pytest.raises(ReplayInputError, match="token replay file") as err:
             replayed_workload(str(path), vocab=3001)
         assert "\n" not in str(err.value)
+
+
+def test_a_module_whose_output_is_not_finite_fails_its_accuracy_row(workload):
+    broken = build_model(spec(), dtype=torch.bfloat16, attention="eager")
+    down = broken.model.get_submodule("model.layers.1.mlp.down_proj")
+    stock = down.forward
+
+    def poisoned(x):
+        out = stock(x)
+        out[0, 3, 7] = float("nan")
+        return out
+
+    down.forward = poisoned
+    table = module_accuracy(broken, workload).set_index("module")
+    assert not table.passed["model.layers.1.mlp.down_proj"]
+    assert table.bound_used["model.layers.1.mlp.down_proj"] == math.inf
