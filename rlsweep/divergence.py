@@ -16,6 +16,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from kernels.bitwise import bit_pattern, first_bit_difference
 from rlsweep.hf_model import BuiltModel
 from rlsweep.model_cells import CURRENT_SLOTS, TokenWorkload, cell_hidden
 
@@ -66,8 +67,7 @@ def recording(built: BuiltModel) -> Iterator[dict[str, ModuleRecord]]:
         record = records[path]
         for b, position in (slots >= 0).nonzero().tolist():
             token = int(slots[b, position])
-            rows = [t[b, position].detach().contiguous().cpu() for t in inputs]
-            record.inputs[token] = b"".join(r.view(-1).view(torch.uint8).numpy().tobytes() for r in rows)
+            record.inputs[token] = b"".join(bit_pattern(t[b, position]).numpy().tobytes() for t in inputs)
             record.outputs[token] = outputs[0][b, position].detach().cpu().clone()
 
     for path, module in built.body.named_modules(prefix="model"):
@@ -89,7 +89,7 @@ def record_cell(built: BuiltModel, workload: TokenWorkload, cell: str) -> dict[s
 
 
 def bits_differ(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return a.shape != b.shape or a.dtype != b.dtype or first_bit_difference(a, b) is not None
 
 
 def divergence(canonical: dict[str, ModuleRecord], other: dict[str, ModuleRecord], *, cell: str,

@@ -20,6 +20,7 @@ import torch
 
 from rlsweep.errors import ConfigError
 from rlsweep.synthetic import SEED_LIMIT, check_seed, standard_normal
+from rlsweep.tensor_files import bits_sha256
 
 # Fields transformers writes into a config of its own accord (save_pretrained, from_pretrained, the model's
 # construction): none says what the model computes, so none is part of its fingerprint.
@@ -200,12 +201,9 @@ def config_fingerprint(config: Any) -> str:
 
 
 def weights_hash(model: torch.nn.Module) -> str:
-    """sha256 over every parameter and buffer (name, dtype, shape, bits), in name order."""
-    digest = hashlib.sha256()
+    """sha256 over every parameter and buffer (name, dtype, shape and the sha256 of its bits, ``bits_sha256``), in
+    name order."""
     tensors = dict(model.named_parameters())
     tensors.update((name, buffer) for name, buffer in model.named_buffers() if buffer is not None)
-    for name in sorted(tensors):
-        tensor = tensors[name].detach().contiguous().cpu()
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+    lines = (f"{name}|{t.dtype}|{tuple(t.shape)}|{bits_sha256(t)}\n" for name, t in sorted(tensors.items()))
+    return hashlib.sha256("".join(lines).encode()).hexdigest()

@@ -363,7 +363,7 @@ def trainer_vs_rollout(built: BuiltModel, workload: TokenWorkload, *, backend: s
     each rollout cell (rhs, the sampling side) over the judged tokens: one row per (rollout cell, metric name)."""
     import pandas as pd
 
-    from rlsweep.mismatch import ALIAS_OF, BY_NAME, REPORTED_NAMES, ActiveTokens
+    from rlsweep.mismatch import METRICS, ActiveTokens
 
     trainer, _ = cell_logprobs(built, workload, trainer_cell, backend=backend, tp=tp)
     sample_ids = torch.cat([torch.full((int((t >= 0).sum()),), i) for i, t in enumerate(workload.targets())])
@@ -372,10 +372,10 @@ def trainer_vs_rollout(built: BuiltModel, workload: TokenWorkload, *, backend: s
         rollout, _ = cell_logprobs(built, workload, cell, backend=backend, tp=tp)
         tokens = ActiveTokens.of(sample_ids, rollout, clip)
         dlogp = trainer.double().cpu() - rollout.double().cpu()
-        for name in REPORTED_NAMES:
-            metric = BY_NAME[ALIAS_OF.get(name, name)]
-            rows.append({"trainer_cell": trainer_cell, "rollout_cell": cell, "metric": name,
-                         "value": metric.value(dlogp, tokens), "tokens": tokens.count})  # fmt: skip
+        for metric in METRICS:  # each computed once, one row per name it goes by (as the head's chain rows)
+            value = metric.value(dlogp, tokens)
+            rows += [{"trainer_cell": trainer_cell, "rollout_cell": cell, "metric": name, "value": value,
+                      "tokens": tokens.count} for name in metric.names]  # fmt: skip
     return pd.DataFrame(rows)
 
 

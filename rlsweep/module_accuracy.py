@@ -107,13 +107,10 @@ def rotary_angles(position_ids: torch.Tensor, theta: float, dim: int) -> tuple[t
 def judge_call(built: BuiltModel, call: Call) -> tuple[str, int, float, float]:
     """(op class, elements, max |error|, the largest error / bound) of one recorded call."""
     kind = op_class(call.module)
-    if kind == "linear":
-        x, y = (call.args or (call.kwargs.get("input"),))[0], call.output
-        y64, bound = linear_reference(call.module, x, y)
-        errors = (y.double() - y64).abs()
-    elif kind == "rmsnorm":
-        x, y = (call.args or (call.kwargs.get("hidden_states"),))[0], call.output
-        y64, bound = rmsnorm_reference(call.module, x, y)
+    if kind in ("linear", "rmsnorm"):
+        reference, argument = (linear_reference, "input") if kind == "linear" else (rmsnorm_reference, "hidden_states")
+        x, y = (call.args or (call.kwargs.get(argument),))[0], call.output
+        y64, bound = reference(call.module, x, y)
         errors = (y.double() - y64).abs()
     else:
         config = built.model.config
@@ -154,9 +151,7 @@ def module_accuracy(built: BuiltModel, workload: TokenWorkload, cell: str = "pac
         row["max_abs_error"] = max(row["max_abs_error"], max_error)
         row["bound_used"] = max(row["bound_used"], used)
     table = pd.DataFrame(list(rows.values()), columns=list(ACCURACY_COLUMNS[:-1]))
-    table["passed"] = table.bound_used <= 1.0
-    if not math.isfinite(table.bound_used.sum()):
-        table.loc[~table.bound_used.map(math.isfinite), "passed"] = False
+    table["passed"] = table.bound_used <= 1.0  # a non-finite output's row holds inf (judge_call)
     return table
 
 

@@ -52,10 +52,6 @@ def workload(eager):
     return token_workload(eager, 3, [5, 8, 6, 9], [6, 6, 11, 10])
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32 if t.dtype == torch.float32 else torch.int16)
-
-
 def test_transformers_never_takes_this_projects_kernels_package_for_the_hubs():
     # transformers imports the hub's `kernels` when a package of that name has a version in its window.
     from transformers.utils import is_kernels_available
@@ -103,7 +99,9 @@ def test_synthetic_weights_are_a_function_of_name_and_seed_and_the_fingerprint_c
     assert (again.config_fingerprint, again.weights_hash) == (eager.config_fingerprint, eager.weights_hash)
     one_layer = build_model(spec(hf_config={"num_hidden_layers": 1}), dtype=torch.bfloat16, attention="eager")
     shared = "model.layers.0.self_attn.q_proj.weight"  # the same name gets the same values, whatever else exists
-    assert torch.equal(bits(one_layer.model.get_parameter(shared)), bits(eager.model.get_parameter(shared)))
+    assert torch.equal(
+        kernels.bit_view(one_layer.model.get_parameter(shared)), kernels.bit_view(eager.model.get_parameter(shared))
+    )
     assert one_layer.config_fingerprint != eager.config_fingerprint
     norm = eager.model.get_parameter("model.norm.weight").float()
     assert 0.05 < norm.std() < 0.2 and abs(norm.mean() - 1) < 0.05  # near 1, not all 1: a wrong-dtype norm shows
@@ -140,7 +138,7 @@ def test_eager_attention_gives_the_same_bits_in_every_cell_on_this_cpu(eager, wo
     assert packed.numel() == 33
     for cell in CELLS:
         logp, _ = cell_logprobs(eager, workload, cell, backend="aten")
-        assert torch.equal(bits(logp), bits(packed)), cell
+        assert torch.equal(kernels.bit_view(logp), kernels.bit_view(packed)), cell
 
 
 def test_stock_sdpa_moves_logprobs_between_cells_on_this_cpu(workload):
@@ -149,7 +147,7 @@ def test_stock_sdpa_moves_logprobs_between_cells_on_this_cpu(workload):
     moved = {}
     for cell in ("pad_right", "decode", "chunked/3"):
         logp, _ = cell_logprobs(sdpa, workload, cell, backend="aten")
-        moved[cell] = int((bits(logp) != bits(packed)).sum())
+        moved[cell] = int((kernels.bit_view(logp) != kernels.bit_view(packed)).sum())
     assert all(count > 0 for count in moved.values()), moved
 
 
@@ -164,7 +162,7 @@ def test_packed_cells_confine_attention_themselves(eager, workload):
     unconfined = torch.cat(list(row.split(lengths)))
     confined = torch.cat(cell_hidden(eager, workload, "packed"))
     alone = torch.cat(cell_hidden(eager, workload, "alone"))
-    assert torch.equal(bits(confined), bits(alone))
+    assert torch.equal(kernels.bit_view(confined), kernels.bit_view(alone))
     assert (unconfined.float() - alone.float()).abs().max() > 0.05
 
 
@@ -172,7 +170,9 @@ def test_packed_cells_confine_attention_themselves(eager, workload):
 def test_the_triton_head_is_as_invariant_behind_the_body_as_alone(eager, workload):
     packed, packed_lse = cell_logprobs(eager, workload, "packed", backend="triton", tp=2)
     decode, decode_lse = cell_logprobs(eager, workload, "decode", backend="triton", tp=2)
-    assert torch.equal(bits(packed), bits(decode)) and torch.equal(bits(packed_lse), bits(decode_lse))
+    assert torch.equal(kernels.bit_view(packed), kernels.bit_view(decode)) and torch.equal(
+        kernels.bit_view(packed_lse), kernels.bit_view(decode_lse)
+    )
     # Beside stock PyTorch's head on the same hidden states: both round the logits to bf16 and reduce in fp32.
     stock, _ = cell_logprobs(eager, workload, "packed", backend="aten")
     assert (packed - stock).abs().median() < 1e-5 and (packed - stock).abs().max() < 1e-5
@@ -317,7 +317,9 @@ def test_a_replayed_token_workload_is_the_captured_one(eager, workload, tmp_path
     assert replayed.prompt_lens == workload.prompt_lens
     assert all(torch.equal(a, b) for a, b in zip(replayed.sequences, workload.sequences, strict=True))
     logp, _ = cell_logprobs(eager, replayed, "decode", backend="aten")
-    assert torch.equal(bits(logp), bits(cell_logprobs(eager, workload, "decode", backend="aten")[0]))
+    assert torch.equal(
+        kernels.bit_view(logp), kernels.bit_view(cell_logprobs(eager, workload, "decode", backend="aten")[0])
+    )
 
 
 IDS = torch.tensor([5, 6, 7, 8, 9, 10, 11])
