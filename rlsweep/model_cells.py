@@ -125,7 +125,7 @@ def replayed_workload(path: str, vocab: int, key: str = "workload.path") -> Toke
             f"{source.describe()}: seq_lens has {seq_lens.numel()} entries and prompt_lens {prompt_lens.numel()}; "
             "one of each per sequence, at least one sequence"
         )
-    if int(seq_lens.sum()) != ids.numel() or bool((seq_lens < 2).any()):
+    if sum(seq_lens.tolist()) != ids.numel() or bool((seq_lens < 2).any()):  # Python ints: int64's sum can wrap
         raise ReplayInputError(
             f"{source.describe()}: seq_lens {seq_lens.tolist()[:8]} must each be >= 2 and add up to input_ids' "
             f"{ids.numel()} tokens"

@@ -333,6 +333,11 @@ GOOD = {"input_ids": IDS, "seq_lens": torch.tensor([3, 4]), "prompt_lens": torch
         ({"input_ids": IDS.float()}, r"input_ids is F32 \[7\]; it must be a 1-D integer tensor"),
         ({"seq_lens": torch.tensor([[3, 4]])}, r"seq_lens is I64 \[1, 2\]"),
         ({"seq_lens": torch.tensor([3, 3])}, r"must each be >= 2 and add up to input_ids' 7 tokens"),
+        # Four lengths whose int64 sum wraps round to the 7 ids.
+        (
+            {"seq_lens": torch.tensor([2**62, 2**62, 2**62, 2**62 + 7]), "prompt_lens": torch.tensor([1, 1, 1, 1])},
+            r"must each be >= 2 and add up to input_ids' 7 tokens",
+        ),
         ({"prompt_lens": torch.tensor([1])}, r"seq_lens has 2 entries and prompt_lens 1"),
         ({"prompt_lens": torch.tensor([1, 4])}, r"sequence 1 has prompt_lens 4 of seq_lens 4"),
         ({"input_ids": torch.tensor([5, 6, 7, 8, 3001, 10, 11])}, r"input_ids\[4\] = 3001 is outside the vocab"),
