@@ -18,7 +18,7 @@ import torch
 
 from kernels.bitwise import bit_pattern, first_bit_difference
 from rlsweep.hf_model import BuiltModel
-from rlsweep.model_cells import CURRENT_SLOTS, TokenWorkload, cell_hidden
+from rlsweep.model_cells import CURRENT_SLOTS, DEFAULT_CHUNK_SIZE, TRAINER_CELL, TokenWorkload, cell_hidden
 
 DIVERGENCE_COLUMNS = ("cell", "canonical_cell", "module", "module_class", "order", "depth", "tokens", "inputs_equal",
                       "tokens_differing", "max_abs_diff", "first_diverging")  # fmt: skip
@@ -81,10 +81,10 @@ def recording(built: BuiltModel) -> Iterator[dict[str, ModuleRecord]]:
             handle.remove()
 
 
-def record_cell(built: BuiltModel, workload: TokenWorkload, cell: str) -> dict[str, ModuleRecord]:
+def record_cell(built: BuiltModel, workload: TokenWorkload, cell: str, chunk_size: int) -> dict[str, ModuleRecord]:
     """Every module's rows in ``cell``, by logical token."""
     with recording(built) as records:
-        cell_hidden(built, workload, cell)
+        cell_hidden(built, workload, cell, chunk_size=chunk_size)
     return records
 
 
@@ -126,7 +126,9 @@ def divergence(canonical: dict[str, ModuleRecord], other: dict[str, ModuleRecord
     return table
 
 
-def first_diverging(built: BuiltModel, workload: TokenWorkload, cell: str, canonical_cell: str = "packed"):
+def first_diverging(built: BuiltModel, workload: TokenWorkload, cell: str, canonical_cell: str = TRAINER_CELL, *,
+                    chunk_size: int = DEFAULT_CHUNK_SIZE):  # fmt: skip
     """The divergence table of ``cell`` against ``canonical_cell`` (``divergence``)."""
-    return divergence(record_cell(built, workload, canonical_cell), record_cell(built, workload, cell), cell=cell,
+    canonical = record_cell(built, workload, canonical_cell, chunk_size)
+    return divergence(canonical, record_cell(built, workload, cell, chunk_size), cell=cell,
                       canonical_cell=canonical_cell)  # fmt: skip

@@ -310,72 +310,109 @@ def needle(built: BuiltModel, sequences: Sequence[Seq], others: int, position: i
     return out
 
 
-CELLS = ("packed", "pad_right", "pad_left", "alone", "permuted", "chunked", "decode", "needle")
+def batch_chunked(built: BuiltModel, sequences: Sequence[Seq], chunk: int) -> list[torch.Tensor]:
+    """The right-padded batch prefilled ``chunk`` positions at a time through one KV cache (an engine's chunked
+    prefill of a batch); the 2D mask covers the cached positions and the chunk's."""
+    from transformers import DynamicCache
+
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), PAD_TOKEN, dtype=torch.int64)
+    mask = torch.zeros((len(sequences), width), dtype=torch.int64)
+    slots = torch.full((len(sequences), width), -1, dtype=torch.int64)
+    for row, s in enumerate(sequences):
+        ids[row, : len(s)], mask[row, : len(s)], slots[row, : len(s)] = s.ids, 1, s.slots()
+    cache = DynamicCache(config=built.model.config)
+    parts = []
+    for start in range(0, width, chunk):
+        stop = min(start + chunk, width)
+        positions = torch.arange(start, stop)[None].expand(len(sequences), -1)
+        parts.append(body_hidden(built, slots[:, start:stop], input_ids=ids[:, start:stop], position_ids=positions,
+                                 attention_mask=mask[:, :stop], cache=cache, use_cache=True))  # fmt: skip
+    out = torch.cat(parts, dim=1)
+    return [out[row, : len(s)] for row, s in enumerate(sequences)]
+
+
+DEFAULT_CHUNK_SIZE = 5  # tokens per chunk of BN/chunked and B1/chunked, as layout.chunk_size defaults it
 
 
 @torch.no_grad()
-def cell_hidden(built: BuiltModel, workload: TokenWorkload, cell: str) -> list[torch.Tensor]:
-    """Every sequence's final hidden states [L, H] in the cell named ``cell``: one of ``CELLS``, ``chunked/<n>``
-    or ``needle/M=<m>/pos=<p>``."""
-    name, _, arg = cell.partition("/")
+def cell_hidden(
+    built: BuiltModel, workload: TokenWorkload, cell: str, *, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> list[torch.Tensor]:
+    """Every sequence's final hidden states [L, H] in the layout cell named ``cell`` (the head's cell names,
+    docs/whole_model.md#the-cells: one of ``rlsweep.spec.CELL_KINDS`` other than ``needle``, or
+    ``needle/M=<m>/pos=<p>``); ``chunk_size``: the tokens per chunk of the chunked cells."""
     starts = [0, *itertools.accumulate(workload.seq_lens)][:-1]
     sequences = [Seq(ids, start) for ids, start in zip(workload.sequences, starts, strict=True)]
-    if name == "packed" and not arg:
-        return packed(built, sequences)
-    if name in ("pad_right", "pad_left") and not arg:
-        return padded(built, sequences, name.removeprefix("pad_"))
-    if name == "alone" and not arg:
-        return alone(built, sequences)
-    if name == "permuted" and not arg:
-        return permuted(built, sequences)
-    if name == "decode" and not arg:
-        return decode(built, sequences, workload.prompt_lens)
-    if name == "chunked" and arg.isdigit() and int(arg) > 0:
-        return chunked(built, sequences, int(arg))
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ConfigError(f"chunk_size={chunk_size!r}: tokens per chunk, an int >= 1")
+    cells = {
+        "BN/packed": lambda: packed(built, sequences),
+        "BN/pad_right": lambda: padded(built, sequences, "right"),
+        "BN/pad_left": lambda: padded(built, sequences, "left"),
+        "BN/permuted": lambda: permuted(built, sequences),
+        "BN/chunked": lambda: batch_chunked(built, sequences, chunk_size),
+        "B1/full": lambda: alone(built, sequences),
+        "B1/chunked": lambda: chunked(built, sequences, chunk_size),
+        "decode": lambda: decode(built, sequences, workload.prompt_lens),
+    }
+    if cell in cells:
+        return cells[cell]()
+    name, _, arg = cell.partition("/")
     if name == "needle":
         parts = dict(part.partition("=")[::2] for part in arg.split("/"))
         if set(parts) == {"M", "pos"} and parts["M"].isdigit() and parts["pos"].isdigit():
             return needle(built, sequences, int(parts["M"]), int(parts["pos"]))
-    raise ConfigError(
-        f"model cell {cell!r} is not one of packed, pad_right, pad_left, alone, permuted, decode, chunked/<n> "
-        "(n > 0), needle/M=<m>/pos=<p>"
-    )
+    raise ConfigError(f"model cell {cell!r} is not one of {', '.join(cells)}, needle/M=<m>/pos=<p>")
 
 
-def cell_logprobs(built: BuiltModel, workload: TokenWorkload, cell: str, *, backend: str, tp: int = 1):
+def cell_logprobs(built: BuiltModel, workload: TokenWorkload, cell: str, *, backend: str, tp: int = 1,
+                  chunk_size: int = DEFAULT_CHUNK_SIZE):  # fmt: skip
     """The judged tokens' logp and lse [N] (response tokens, sequences in order) of ``cell``: its hidden states
     through the head of ``backend`` at ``tp`` (``kernels.lm_head_logprob``), in one call."""
-    hidden = torch.cat(cell_hidden(built, workload, cell))
+    hidden = torch.cat(cell_hidden(built, workload, cell, chunk_size=chunk_size))
     targets = torch.cat(workload.targets()).to(hidden.device)
     result = kernels.lm_head_logprob(hidden, built.head_weight, targets, backend=backend, tp=tp)
     active = targets != kernels.IGNORE_INDEX
     return result.logp[active], result.lse[active]
 
 
-ROLLOUT_CELLS = ("decode", "pad_left", "alone")  # how engines call the body: the rollout side of the metrics
+TRAINER_CELL = "BN/packed"  # how a trainer calls the body: one packed varlen row
+ROLLOUT_CELLS = ("decode", "BN/pad_left", "B1/full")  # how engines call it: the rollout side of the metrics
 PPO_CLIP = (0.8, 1.2)  # the clip interval of clipfrac0, as the head's runs default it
 
 
-def trainer_vs_rollout(built: BuiltModel, workload: TokenWorkload, *, backend: str, tp: int = 1,
-                       trainer_cell: str = "packed", rollout_cells: Sequence[str] = ROLLOUT_CELLS,
-                       clip: tuple[float, float] = PPO_CLIP):  # fmt: skip
-    """verl's rollout-vs-training mismatch metrics (``rlsweep.mismatch.METRICS``) of the trainer's cell (lhs) against
-    each rollout cell (rhs, the sampling side) over the judged tokens: one row per (rollout cell, metric name)."""
-    import pandas as pd
-
+def mismatch_values(trainer: torch.Tensor, rollout: torch.Tensor, sample_ids: torch.Tensor,
+                    clip: tuple[float, float]) -> tuple[list[tuple[str, float]], int]:  # fmt: skip
+    """verl's rollout-vs-training mismatch metrics (``rlsweep.mismatch.METRICS``) of dlogp = trainer - rollout over
+    the judged tokens, the rollout the sampling side: (name, value) for every name each metric goes by (one value per
+    metric, as the head's chain rows), and the number of tokens."""
     from rlsweep.mismatch import METRICS, ActiveTokens
 
-    trainer, _ = cell_logprobs(built, workload, trainer_cell, backend=backend, tp=tp)
-    sample_ids = torch.cat([torch.full((int((t >= 0).sum()),), i) for i, t in enumerate(workload.targets())])
+    tokens = ActiveTokens.of(sample_ids.cpu(), rollout.cpu(), clip)
+    dlogp = trainer.double().cpu() - rollout.double().cpu()
+    values = [(metric.names, metric.value(dlogp, tokens)) for metric in METRICS]
+    return [(name, value) for names, value in values for name in names], tokens.count
+
+
+def judged_sample_ids(workload: TokenWorkload) -> torch.Tensor:
+    """The sequence of each judged token, in order."""
+    return torch.cat([torch.full((int((t >= 0).sum()),), i) for i, t in enumerate(workload.targets())])
+
+
+def trainer_vs_rollout(built: BuiltModel, workload: TokenWorkload, *, backend: str, tp: int = 1,
+                       rollout_cells: Sequence[str] = ROLLOUT_CELLS, clip: tuple[float, float] = PPO_CLIP):  # fmt: skip
+    """``mismatch_values`` of the trainer's cell (``TRAINER_CELL``) against each rollout cell: one row per (rollout
+    cell, metric name)."""
+    import pandas as pd
+
+    trainer, _ = cell_logprobs(built, workload, TRAINER_CELL, backend=backend, tp=tp)
     rows = []
     for cell in rollout_cells:
         rollout, _ = cell_logprobs(built, workload, cell, backend=backend, tp=tp)
-        tokens = ActiveTokens.of(sample_ids, rollout, clip)
-        dlogp = trainer.double().cpu() - rollout.double().cpu()
-        for metric in METRICS:  # each computed once, one row per name it goes by (as the head's chain rows)
-            value = metric.value(dlogp, tokens)
-            rows += [{"trainer_cell": trainer_cell, "rollout_cell": cell, "metric": name, "value": value,
-                      "tokens": tokens.count} for name in metric.names]  # fmt: skip
+        values, count = mismatch_values(trainer, rollout, judged_sample_ids(workload), clip)
+        rows += [{"trainer_cell": TRAINER_CELL, "rollout_cell": cell, "metric": name, "value": value, "tokens": count}
+                 for name, value in values]  # fmt: skip
     return pd.DataFrame(rows)
 
 
@@ -409,7 +446,9 @@ def watching_attention(built: BuiltModel) -> Iterator[list[str]]:
             local[key] = before
 
 
-def body_provenance(built: BuiltModel, workload: TokenWorkload, cell: str) -> dict[str, list[str]]:
+def body_provenance(
+    built: BuiltModel, workload: TokenWorkload, cell: str, *, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> dict[str, list[str]]:
     """What the body ran in ``cell``: the attention functions transformers called, and the dispatcher's ops that
     decide the bits (matmuls, reductions, attention kernels, custom ops: ``kernels.launches``), each once, in the
     order they first ran."""
@@ -417,7 +456,7 @@ def body_provenance(built: BuiltModel, workload: TokenWorkload, cell: str) -> di
 
     with watching_attention(built) as attention, observed_provenance(), recording_launches() as launches:
         with observing_dispatcher():
-            cell_hidden(built, workload, cell)
+            cell_hidden(built, workload, cell, chunk_size=chunk_size)
     return {
         "attention": list(dict.fromkeys(attention)),
         "kernels": list(dict.fromkeys(launch.kernel for launch in launches)),

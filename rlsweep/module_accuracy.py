@@ -19,7 +19,7 @@ import torch
 
 from kernels.rounding import FP32_UNIT_ROUNDOFF, gamma, half_ulp
 from rlsweep.hf_model import BuiltModel
-from rlsweep.model_cells import TokenWorkload, cell_hidden
+from rlsweep.model_cells import TRAINER_CELL, TokenWorkload, cell_hidden
 
 ACCURACY_COLUMNS = ("module", "module_class", "op_class", "elements", "max_abs_error", "bound_used", "passed")
 
@@ -135,7 +135,7 @@ def judge_call(built: BuiltModel, call: Call) -> tuple[str, int, float, float]:
     return kind, errors.numel(), float(errors.nan_to_num(nan=math.inf).max()), float(used.max())
 
 
-def module_accuracy(built: BuiltModel, workload: TokenWorkload, cell: str = "packed") -> pd.DataFrame:
+def module_accuracy(built: BuiltModel, workload: TokenWorkload, cell: str = TRAINER_CELL) -> pd.DataFrame:
     """One row per judged module of the body in ``cell``: its op class, elements judged, largest |error| against
     float64 of the module on its own inputs, and the largest share of its bound used (passed: at most 1), over all
     of its calls in the cell."""
@@ -164,7 +164,7 @@ def end_to_end_error(built: BuiltModel, workload: TokenWorkload, logp: torch.Ten
     from dataclasses import replace
 
     model64 = copy.deepcopy(built.model).to(torch.float64)
-    hidden = torch.cat(cell_hidden(replace(built, model=model64), workload, "alone"))
+    hidden = torch.cat(cell_hidden(replace(built, model=model64), workload, "B1/full"))
     logits = hidden @ model64.get_output_embeddings().weight.double().T
     targets = torch.cat(workload.targets()).to(hidden.device)
     active = targets >= 0

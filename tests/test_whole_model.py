@@ -34,7 +34,7 @@ QWEN3_TINY = {
     "max_position_embeddings": 512, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
     "tie_word_embeddings": False,
 }  # fmt: skip
-CELLS = ["alone", "pad_right", "pad_left", "permuted", "chunked/3", "chunked/1", "decode", "needle/M=3/pos=1"]
+CELLS = ["B1/full", "BN/pad_right", "BN/pad_left", "BN/permuted", "B1/chunked", "BN/chunked", "decode", "needle/M=3/pos=1"]
 
 
 def spec(**changes) -> WholeModelSpec:
@@ -129,12 +129,12 @@ def test_responses_are_sampled_from_the_model_by_seed_and_the_targets_are_the_ne
     ids, target = workload.sequences[0], workload.targets()[0]
     assert torch.equal(target[4:10], ids[5:11]) and (target[:4] == kernels.IGNORE_INDEX).all() and target[10] < 0
     # Sampled from the model: its tokens are likelier under it than uniform ones would be.
-    logp, _ = cell_logprobs(eager, workload, "packed", backend="aten")
+    logp, _ = cell_logprobs(eager, workload, "BN/packed", backend="aten")
     assert logp.mean() > -torch.log(torch.tensor(3001.0)) + 1.0
 
 
 def test_eager_attention_gives_the_same_bits_in_every_cell_on_this_cpu(eager, workload):
-    packed, _ = cell_logprobs(eager, workload, "packed", backend="aten")
+    packed, _ = cell_logprobs(eager, workload, "BN/packed", backend="aten")
     assert packed.numel() == 33
     for cell in CELLS:
         logp, _ = cell_logprobs(eager, workload, cell, backend="aten")
@@ -143,9 +143,9 @@ def test_eager_attention_gives_the_same_bits_in_every_cell_on_this_cpu(eager, wo
 
 def test_stock_sdpa_moves_logprobs_between_cells_on_this_cpu(workload):
     sdpa = build_model(spec(), dtype=torch.bfloat16, attention="sdpa")
-    packed, _ = cell_logprobs(sdpa, workload, "packed", backend="aten")
+    packed, _ = cell_logprobs(sdpa, workload, "BN/packed", backend="aten")
     moved = {}
-    for cell in ("pad_right", "decode", "chunked/3"):
+    for cell in ("BN/pad_right", "decode", "B1/chunked"):
         logp, _ = cell_logprobs(sdpa, workload, cell, backend="aten")
         moved[cell] = int((kernels.bit_view(logp) != kernels.bit_view(packed)).sum())
     assert all(count > 0 for count in moved.values()), moved
@@ -160,25 +160,25 @@ def test_packed_cells_confine_attention_themselves(eager, workload):
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     row = eager.body(input_ids=torch.cat(workload.sequences)[None], position_ids=positions).last_hidden_state[0]
     unconfined = torch.cat(list(row.split(lengths)))
-    confined = torch.cat(cell_hidden(eager, workload, "packed"))
-    alone = torch.cat(cell_hidden(eager, workload, "alone"))
+    confined = torch.cat(cell_hidden(eager, workload, "BN/packed"))
+    alone = torch.cat(cell_hidden(eager, workload, "B1/full"))
     assert torch.equal(kernels.bit_view(confined), kernels.bit_view(alone))
     assert (unconfined.float() - alone.float()).abs().max() > 0.05
 
 
 @pytest.mark.interpreter  # Triton on CPU tensors
 def test_the_triton_head_is_as_invariant_behind_the_body_as_alone(eager, workload):
-    packed, packed_lse = cell_logprobs(eager, workload, "packed", backend="triton", tp=2)
+    packed, packed_lse = cell_logprobs(eager, workload, "BN/packed", backend="triton", tp=2)
     decode, decode_lse = cell_logprobs(eager, workload, "decode", backend="triton", tp=2)
     assert torch.equal(kernels.bit_view(packed), kernels.bit_view(decode)) and torch.equal(
         kernels.bit_view(packed_lse), kernels.bit_view(decode_lse)
     )
     # Beside stock PyTorch's head on the same hidden states: both round the logits to bf16 and reduce in fp32.
-    stock, _ = cell_logprobs(eager, workload, "packed", backend="aten")
+    stock, _ = cell_logprobs(eager, workload, "BN/packed", backend="aten")
     assert (packed - stock).abs().median() < 1e-5 and (packed - stock).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("cell", ["chunked/0", "needle/M=2/pos=3", "stacked", "alone/2"])
+@pytest.mark.parametrize("cell", ["B1/chunked/3", "needle/M=2/pos=3", "stacked", "alone"])
 def test_an_unknown_or_impossible_cell_is_refused_in_one_line(eager, workload, cell):
     with pytest.raises(ConfigError, match=r"model cell|needle position") as err:
         cell_hidden(eager, workload, cell)
@@ -187,7 +187,7 @@ def test_an_unknown_or_impossible_cell_is_refused_in_one_line(eager, workload, c
 
 def test_the_first_diverging_op_of_stock_sdpa_is_its_first_attention(workload, tmp_path):
     sdpa = build_model(spec(), dtype=torch.bfloat16, attention="sdpa")
-    for cell in ("pad_right", "decode"):
+    for cell in ("BN/pad_right", "decode"):
         table = first_diverging(sdpa, workload, cell)
         (first,) = table[table.first_diverging].itertuples()
         assert (first.module, first.module_class) == ("model.layers.0.self_attn", "Qwen3Attention"), cell
@@ -200,14 +200,14 @@ def test_the_first_diverging_op_of_stock_sdpa_is_its_first_attention(workload, t
 
 
 def test_a_layout_dependent_bug_deep_in_the_body_is_named_and_an_invariant_body_names_none(eager, workload):
-    table = first_diverging(eager, workload, "pad_right")
+    table = first_diverging(eager, workload, "BN/pad_right")
     assert not table.first_diverging.any() and (table.tokens_differing == 0).all() and table.inputs_equal.all()
     down = eager.model.get_submodule("model.layers.1.mlp.down_proj")
     stock = down.forward
     # A bug that shows only when more than one sequence shares the call: a hair-wide scale on its output.
     down.forward = lambda x: stock(x) * (1.0 + 2.0**-6) if x.shape[0] > 1 else stock(x)
     try:
-        table = first_diverging(eager, workload, "pad_right")
+        table = first_diverging(eager, workload, "BN/pad_right")
     finally:
         del down.forward
     (first,) = table[table.first_diverging].itertuples()
@@ -217,12 +217,12 @@ def test_a_layout_dependent_bug_deep_in_the_body_is_named_and_an_invariant_body_
 
 def test_trainer_against_rollout_metrics_are_exactly_zero_only_where_the_bits_agree(eager, workload):
     invariant = trainer_vs_rollout(eager, workload, backend="aten")
-    assert set(invariant.rollout_cell) == {"decode", "pad_left", "alone"} and (invariant.tokens == 33).all()
+    assert set(invariant.rollout_cell) == {"decode", "BN/pad_left", "B1/full"} and (invariant.tokens == 33).all()
     ratio = invariant.metric == "ppl_ratio"
     assert (invariant.value[ratio] == 1.0).all() and (invariant.value[~ratio] == 0.0).all()
     sdpa = build_model(spec(), dtype=torch.bfloat16, attention="sdpa")
     stock = trainer_vs_rollout(sdpa, workload, backend="aten").set_index(["rollout_cell", "metric"]).value
-    trainer, _ = cell_logprobs(sdpa, workload, "packed", backend="aten")
+    trainer, _ = cell_logprobs(sdpa, workload, "BN/packed", backend="aten")
     rollout, _ = cell_logprobs(sdpa, workload, "decode", backend="aten")
     x = trainer.double() - rollout.double()  # verl's k3 of pi_train / pi_rollout, by hand
     assert stock["decode", "k3_kl"] == pytest.approx(float((x.exp() - 1 - x).mean()), rel=1e-12)
@@ -263,12 +263,12 @@ def test_the_end_to_end_error_against_a_float64_forward_is_reported_for_any_cell
     sdpa = build_model(spec(), dtype=torch.bfloat16, attention="sdpa")
     errors = {}
     for name, built in (("eager", eager), ("sdpa", sdpa)):
-        for cell in ("packed", "decode"):
+        for cell in ("BN/packed", "decode"):
             logp, _ = cell_logprobs(built, workload, cell, backend="aten")
             errors[name, cell] = end_to_end_error(built, workload, logp)
     assert all(e["tokens"] == 33 and 0 < e["mean_abs_error"] <= e["max_abs_error"] < 0.5 for e in errors.values())
-    assert errors["eager", "packed"] == errors["eager", "decode"]  # the same bits, the same float64 truth
-    assert errors["sdpa", "packed"] != errors["sdpa", "decode"]
+    assert errors["eager", "BN/packed"] == errors["eager", "decode"]  # the same bits, the same float64 truth
+    assert errors["sdpa", "BN/packed"] != errors["sdpa", "decode"]
 
 
 def test_the_body_records_which_attention_function_and_kernels_ran(eager, workload):
@@ -278,7 +278,7 @@ def test_the_body_records_which_attention_function_and_kernels_ran(eager, worklo
     assert ran["attention"] == ["transformers.models.qwen3.modeling_qwen3.eager_attention_forward"]
     assert {"aten::linear", "aten::matmul", "aten::softmax"} <= set(ran["kernels"])
     assert not any("scaled_dot_product" in kernel for kernel in ran["kernels"])
-    sdpa = body_provenance(build_model(spec(), dtype=torch.bfloat16, attention="sdpa"), workload, "packed")
+    sdpa = body_provenance(build_model(spec(), dtype=torch.bfloat16, attention="sdpa"), workload, "BN/packed")
     assert sdpa["attention"] == ["transformers.integrations.sdpa_attention.sdpa_attention_forward"]
     assert "aten::scaled_dot_product_attention" in sdpa["kernels"] and "aten::softmax" not in sdpa["kernels"]
     assert (
