@@ -34,7 +34,8 @@ QWEN3_TINY = {
     "max_position_embeddings": 512, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
     "tie_word_embeddings": False,
 }  # fmt: skip
-CELLS = ["B1/full", "BN/pad_right", "BN/pad_left", "BN/permuted", "B1/chunked", "BN/chunked", "decode", "needle/M=3/pos=1"]
+CELLS = ["B1/full", "BN/pad_right", "BN/pad_left", "BN/permuted", "B1/chunked", "BN/chunked", "decode",
+         "needle/M=3/pos=1"]  # fmt: skip
 
 
 def spec(**changes) -> WholeModelSpec:
