@@ -43,8 +43,19 @@ class WeightSourceConfig:
 
 
 @dataclass
+class BodyConfig:
+    """A whole model's body (docs/whole_model.md): a Hugging Face causal LM built from a config or read from a local
+    checkpoint dir; its hidden states feed the head."""
+
+    source: str = "config"  # config | checkpoint
+    seed: int = 0  # config: the synthetic weights' seed
+    hf_config: dict[str, Any] | None = None  # config: a transformers config's fields, with its model_type
+    path: str | None = None  # checkpoint: a local dir with config.json and *.safetensors
+
+
+@dataclass
 class ModelConfig:
-    """The pinned identity of the lm_head under test."""
+    """The pinned identity of the lm_head under test, and of the body before it where a whole model is swept."""
 
     name: str = MISSING
     hidden_size: int = MISSING
@@ -53,6 +64,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     weights: WeightSourceConfig = field(default_factory=WeightSourceConfig)
     weight_sha256: str | None = None  # pin: a different weight_hash is a red verdict
+    body: BodyConfig | None = None  # a whole model: its body makes the hidden states (null: the head alone)
 
 
 @dataclass
@@ -85,6 +97,7 @@ class ProfileConfig:
     merge_order: str = "rank_shard"  # global_tile | rank_shard: how the TP partials are merged
     required_nodes: dict[str, str] = field(default_factory=dict)  # op node -> backend id
     backend_module: str | None = None  # imported first: a module that registers backend_family (docs/extending.md)
+    body_attention: str = "sdpa"  # a whole model's attention implementation: eager | sdpa (transformers' stock)
     tensors: list[str] = field(default_factory=lambda: ["logp", "lse"])  # what the backend computes: [logp] for one
     # that exports no lse (a fused head such as liger); every forward verdict is judged on each of these
     expected_red: list[ExpectedVerdictConfig] = field(default_factory=list)

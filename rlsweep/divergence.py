@@ -19,9 +19,7 @@ import torch
 from kernels.bitwise import bit_pattern, first_bit_difference
 from rlsweep.hf_model import BuiltModel
 from rlsweep.model_cells import CURRENT_SLOTS, DEFAULT_CHUNK_SIZE, TRAINER_CELL, TokenWorkload, cell_hidden
-
-DIVERGENCE_COLUMNS = ("cell", "canonical_cell", "module", "module_class", "order", "depth", "tokens", "inputs_equal",
-                      "tokens_differing", "max_abs_diff", "first_diverging")  # fmt: skip
+from rlsweep.tables import DIVERGENCE_COLUMNS
 
 
 @dataclass

@@ -54,17 +54,17 @@ class WholeModelSpec:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"model.name={name!r}: a whole model needs a non-empty name")
         if source not in SOURCES:
-            raise ConfigError(f"model.source={source!r} is not one of {list(SOURCES)}")
+            raise ConfigError(f"model.body.source={source!r} is not one of {list(SOURCES)}")
         seed = raw.get("seed", 0)
-        check_seed(seed, "model.seed")
+        check_seed(seed, "model.body.seed")
         if source == "config":
             fields = raw.get("hf_config")
             if not isinstance(fields, Mapping) or not isinstance(fields.get("model_type"), str):
                 raise ConfigError(
-                    f"model.hf_config={fields!r}: source=config needs the transformers config's fields, with its "
+                    f"model.body.hf_config={fields!r}: source=config needs the transformers config's fields, with its "
                     "model_type (e.g. qwen3)"
                 )
-            refuse_remote_code(fields, "model.hf_config")
+            refuse_remote_code(fields, "model.body.hf_config")
             return WholeModelSpec(name, source, hf_config=dict(fields), seed=seed)
         path = raw.get("path")
         checkpoint_dir(path)
@@ -84,17 +84,17 @@ def checkpoint_dir(path: Any) -> Path:
     """A local checkpoint dir with config.json and at least one *.safetensors; anything else, a hub id included,
     is refused in one line, before transformers could try to reach a hub."""
     if not isinstance(path, str) or not path:
-        raise ConfigError(f"model.path={path!r}: source=checkpoint needs a local directory")
+        raise ConfigError(f"model.body.path={path!r}: source=checkpoint needs a local directory")
     directory = Path(path).expanduser()
     if not directory.is_dir():
         raise ConfigError(
-            f"model.path={path!r} is not a local directory: rlsweep never reaches a model hub; download the "
+            f"model.body.path={path!r} is not a local directory: rlsweep never reaches a model hub; download the "
             "checkpoint and give its directory"
         )
     if not (directory / "config.json").is_file():
-        raise ConfigError(f"model.path={path!r} has no config.json")
+        raise ConfigError(f"model.body.path={path!r} has no config.json")
     if not any(directory.glob("*.safetensors")):
-        raise ConfigError(f"model.path={path!r} has no *.safetensors weights")
+        raise ConfigError(f"model.body.path={path!r} has no *.safetensors weights")
     return directory
 
 
@@ -140,7 +140,7 @@ def build_model(spec: WholeModelSpec, *, dtype: torch.dtype, attention: str, dev
         try:
             config = transformers.AutoConfig.for_model(model_type, **fields)
         except ValueError as err:
-            raise ConfigError(f"model.hf_config.model_type={model_type!r}: {err}".splitlines()[0]) from None
+            raise ConfigError(f"model.body.hf_config.model_type={model_type!r}: {err}".splitlines()[0]) from None
         with torch.device(device):  # its own init runs there (fast on a GPU), then every parameter is replaced
             model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=dtype)
         fill_synthetic(model, spec.seed)

@@ -18,6 +18,7 @@ from rlsweep.arithmetic import kernel_verdicts, planned_kernel_rows
 from rlsweep.contract import ROUNDING_MODEL, Contract, Tolerance
 from rlsweep.execute import CellResult
 from rlsweep.mismatch import METRICS, ActiveTokens
+from rlsweep.model_judgments import MODULE_OP_CLASSES
 from rlsweep.spec import CHAIN_ROLES, DECODE_CELL, DECODE_PARITY_ROLES, ExpectedRed, RunSpec
 from rlsweep.verdicts import (
     FORWARD_TENSORS,
@@ -27,6 +28,7 @@ from rlsweep.verdicts import (
     NOT_RUN_DETAIL,
     REPORTED_ONLY,
     RUN_JUDGMENTS,
+    WHOLE_MODEL_ONLY,
     Judgment,
     Tensor,
     Verdict,
@@ -34,7 +36,11 @@ from rlsweep.verdicts import (
 from rlsweep.workload import Workload
 
 NOT_RUN = "not_run"  # the metric of a row whose judgment provenance prevented
-PER_METRIC = (Judgment.CHAIN_AGGREGATES, Judgment.SMOKE)  # judgments with one row per metric rather than per cell
+PER_METRIC = (
+    Judgment.CHAIN_AGGREGATES,
+    Judgment.SMOKE,
+    Judgment.TRAINER_ROLLOUT,
+)  # judgments with one row per metric rather than per cell
 
 
 def smoke_rows(tensors: Sequence[str]) -> list[tuple[str, str]]:
@@ -239,30 +245,41 @@ def smoke(
     return verdicts
 
 
-def judge_cells(
-    results: Sequence[CellResult], reference: CellResult | None, workload: Workload, standard: Standard
-) -> list[Verdict]:
-    """Every kernel verdict of a run's cells (canonical first) against the reference and each other."""
+@dataclass(frozen=True)
+class CellGold:
+    """What one cell's results are judged against: the float64 reference of its calls' inputs, its workload and its
+    standard (bounds). Every cell of a head run shares one; a whole model's cells each feed the head their own
+    hidden states, so each has its own (``rlsweep.model_run``)."""
+
+    reference: CellResult
+    workload: Workload
+    standard: Standard
+
+
+def judge_cells(results: Sequence[CellResult], golds: Sequence[CellGold]) -> list[Verdict]:
+    """Every kernel verdict of a run's cells (canonical first) against their golds (``golds[i]`` is ``results[i]``'s)
+    and each other."""
     if not results:
         return []
-    canonical = results[0]
+    canonical, gold = results[0], golds[0]
     verdicts = []
-    for result in results:
-        verdicts += forward_accuracy(result, reference, workload, standard)
+    for result, cell_gold in zip(results, golds, strict=True):
+        verdicts += forward_accuracy(result, cell_gold.reference, cell_gold.workload, cell_gold.standard)
     for result in results[1:]:
-        verdicts += forward_invariance(result, canonical, workload, standard)
-    contract = standard.contract
-    keys = (workload.sample_ids, workload.positions)
-    for result in results:
+        verdicts += forward_invariance(result, canonical, gold.workload, gold.standard)
+    contract = gold.standard.contract
+    for result, cell_gold in zip(results, golds, strict=True):
         if result.arithmetic is not None:
-            candidate = {tensor: getattr(result, tensor) for tensor in standard.tensors}
+            workload = cell_gold.workload
+            candidate = {tensor: getattr(result, tensor) for tensor in gold.standard.tensors}
             verdicts += kernel_verdicts(
-                candidate, result.arithmetic, result.cell.name, workload.active, keys,
-                contract.roles_for(Judgment.KERNEL_ACCURACY), contract.failure_probability,
+                candidate, result.arithmetic, result.cell.name, workload.active,
+                (workload.sample_ids, workload.positions), contract.roles_for(Judgment.KERNEL_ACCURACY),
+                contract.failure_probability,
             )  # fmt: skip
-    verdicts += chain_aggregates(canonical, reference, workload, standard)
-    roles = (standard.contract.roles_for(Judgment.FORWARD_ACCURACY)[0], "invariants")
-    verdicts += smoke(canonical, workload, roles, standard.tensors)
+    verdicts += chain_aggregates(canonical, gold.reference, gold.workload, gold.standard)
+    roles = (contract.roles_for(Judgment.FORWARD_ACCURACY)[0], "invariants")
+    verdicts += smoke(canonical, gold.workload, roles, gold.standard.tensors)
     return verdicts
 
 
@@ -413,7 +430,7 @@ def declaration_rows(
     A run on its own is its whole sweep: every declaration must select it and match one of its verdicts.
     """
     scope = "this run"
-    judged = {verdict.judgment for verdict in verdicts} | (set(RUN_JUDGMENTS) - set(GRAD_ONLY))
+    judged = {verdict.judgment for verdict in verdicts} | (set(RUN_JUDGMENTS) - set(GRAD_ONLY) - set(WHOLE_MODEL_ONLY))
     rows = []
     for declaration in declarations:
         selects = declaration.applies(profile, tp)
@@ -473,10 +490,12 @@ def planned_verdicts(
     grad: bool = False,
     logits: bool = False,
     tensors: Sequence[str] = FORWARD_TENSORS,
+    whole_model: bool = False,
 ) -> list[Verdict]:
     """The kernel verdicts a run over ``cells`` (canonical first) judges, as red placeholders without values.
     ``logits``: the run judges the matmul's stored logits (``rlsweep.arithmetic.judges_logits``); ``tensors``: the
-    forward tensors its backend computes (``ProfileSpec.tensors``)."""
+    forward tensors its backend computes (``ProfileSpec.tensors``); ``whole_model``: a whole model's run, which also
+    judges its body's modules."""
     canonical = cells[0]
 
     def row(judgment: str, tensor: str, roles: str, cell: str, rhs: str, metric: str = NOT_RUN) -> Verdict:
@@ -513,6 +532,9 @@ def planned_verdicts(
         planned += [row(accuracy, tensor, accuracy, cell, cell) for cell in cells for tensor in GRADIENT_TENSORS]
         invariance = Judgment.GRADIENT_INVARIANCE
         planned += [row(invariance, Tensor.GRAD_HIDDEN, invariance, cell, canonical) for cell in cells[1:]]
+    if whole_model:
+        accuracy = Judgment.FORWARD_ACCURACY
+        planned += [row(Judgment.MODULE_ACCURACY, kind, accuracy, canonical, canonical) for kind in MODULE_OP_CLASSES]
     return planned
 
 

@@ -9,8 +9,10 @@ comparison judge them all.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import itertools
+import json
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -23,7 +25,7 @@ import kernels
 from rlsweep.errors import ConfigError, ReplayInputError
 from rlsweep.hf_model import BuiltModel
 from rlsweep.synthetic import check_seed, uniform
-from rlsweep.tensor_files import TensorFile
+from rlsweep.tensor_files import TensorFile, bits_sha256
 
 PAD_TOKEN = 0  # what a padded position holds; the mask keeps every real token from reading it
 
@@ -39,6 +41,12 @@ class TokenWorkload:
     @property
     def seq_lens(self) -> tuple[int, ...]:
         return tuple(int(s.numel()) for s in self.sequences)
+
+    @property
+    def sha256(self) -> str:
+        """The digest of what the model is given: every sequence's token ids and every prompt's length."""
+        parts = [bits_sha256(ids) for ids in self.sequences] + [json.dumps(self.prompt_lens)]
+        return hashlib.sha256("".join(parts).encode()).hexdigest()
 
     def targets(self) -> list[torch.Tensor]:
         """Per sequence [L]: the next token where it is a response token, else IGNORE_INDEX."""
@@ -446,18 +454,25 @@ def watching_attention(built: BuiltModel) -> Iterator[list[str]]:
             local[key] = before
 
 
+@contextmanager
+def observing_body(built: BuiltModel) -> Iterator[dict[str, list[str]]]:
+    """What the body runs inside the block: ``attention``, the attention functions transformers called, and
+    ``kernels``, the dispatcher's ops that decide the bits (matmuls, reductions, attention kernels, custom ops:
+    ``kernels.launches``), each once, in the order they first ran; filled in when the block ends."""
+    from kernels.launches import observed_provenance, observing_dispatcher, recording_launches
+
+    seen: dict[str, list[str]] = {"attention": [], "kernels": []}
+    with watching_attention(built) as attention, observed_provenance(), recording_launches() as launches:
+        with observing_dispatcher():
+            yield seen
+    seen["attention"] = list(dict.fromkeys(attention))
+    seen["kernels"] = list(dict.fromkeys(launch.kernel for launch in launches))
+
+
 def body_provenance(
     built: BuiltModel, workload: TokenWorkload, cell: str, *, chunk_size: int = DEFAULT_CHUNK_SIZE
 ) -> dict[str, list[str]]:
-    """What the body ran in ``cell``: the attention functions transformers called, and the dispatcher's ops that
-    decide the bits (matmuls, reductions, attention kernels, custom ops: ``kernels.launches``), each once, in the
-    order they first ran."""
-    from kernels.launches import observed_provenance, observing_dispatcher, recording_launches
-
-    with watching_attention(built) as attention, observed_provenance(), recording_launches() as launches:
-        with observing_dispatcher():
-            cell_hidden(built, workload, cell, chunk_size=chunk_size)
-    return {
-        "attention": list(dict.fromkeys(attention)),
-        "kernels": list(dict.fromkeys(launch.kernel for launch in launches)),
-    }
+    """What the body ran in ``cell`` (``observing_body``)."""
+    with observing_body(built) as seen:
+        cell_hidden(built, workload, cell, chunk_size=chunk_size)
+    return seen

@@ -20,6 +20,7 @@ from rlsweep.contract import Contract
 from rlsweep.errors import ConfigError
 from rlsweep.judgments import apply_expected, declaration_rows, plan_key, planned_verdicts
 from rlsweep.mismatch import METRICS
+from rlsweep.model_judgments import BODY, reported_keys
 from rlsweep.spec import declarations_of, layout_of, tensors_of
 from rlsweep.verdicts import NO_CELL, NOT_RUN_DETAIL, REPORTED_ONLY, Judgment, Verdict
 
@@ -62,20 +63,25 @@ def plan_problems(
     rows = [v for v in verdicts if v.judgment != Judgment.EXPECTED_RED]
     stopped = any(v.detail.startswith(NOT_RUN_DETAIL) for v in rows)
     grad = bool(config.get("grad", False))
+    whole = whole_model(config)
     plans = [
-        Counter(plan_key(v) for v in planned_verdicts(cells, contract, grad=grad, logits=logits, tensors=tensors))
+        Counter(plan_key(v) for v in planned_verdicts(cells, contract, grad=grad, logits=logits, tensors=tensors,
+                                                      whole_model=whole))
         for logits in logits_options(config, contract)
-    ]
+    ]  # fmt: skip
     planned_judgments = {key[0] for plan in plans for key in plan}
     reported_only = {(Judgment.CHAIN_AGGREGATES, "logp", cells[0], name) for metric in METRICS for name in metric.names}
+    reported_only |= reported_keys(cells) if whole else set()
     kernel = Counter(plan_key(v) for v in rows if v.judgment in planned_judgments and not is_reported(v))
     reported = Counter(plan_key(v) for v in rows if is_reported(v))
     contract_rows = sum(v.judgment == Judgment.CONTRACT for v in rows)
     pins = sum((v.judgment, v.tensor) == WEIGHT_PIN for v in rows)
     provenance = Counter(v.lhs_cell for v in rows if v.judgment == Judgment.PROVENANCE and v.tensor == "")
+    body = Counter(v.lhs_cell for v in rows if v.judgment == Judgment.PROVENANCE and v.tensor == BODY)
     others = [
         v for v in rows
         if v.judgment not in planned_judgments and v.judgment not in (Judgment.CONTRACT, Judgment.PROVENANCE)
+        and not is_reported(v)
     ]  # fmt: skip
 
     problems = []
@@ -96,6 +102,13 @@ def plan_problems(
     )
     if not stopped and set(provenance) != set(cells):
         problems.append(f"provenance rows for cells {sorted(provenance)}, not for every cell {cells}")
+    if not whole and body:
+        problems.append(f"{sum(body.values())} body provenance row(s), yet its model is a head alone")
+    problems += named(
+        "cell(s) with several body provenance rows", Counter({c: n - 1 for c, n in body.items() if n > 1})
+    )
+    if whole and not stopped and set(body) != set(cells):
+        problems.append(f"body provenance rows for cells {sorted(body)}, not for every cell {cells}")
     if stopped and not any(v.judgment == Judgment.PROVENANCE and not v.passed for v in rows):
         problems.append("rows not run, yet no provenance row says what stopped the kernels")
 
@@ -111,6 +124,11 @@ def plan_problems(
     problems += named("declaration row(s) missing or not as its verdicts imply", implied - stated)
     problems += named("declaration row(s) its verdicts do not imply", stated - implied)
     return problems
+
+
+def whole_model(config: Mapping[str, Any]) -> bool:
+    """Whether a resolved run config sweeps a whole model (its model has a body)."""
+    return config["model"].get("body") is not None
 
 
 def declaration_key(verdict: Verdict) -> tuple[str, str, bool, bool]:

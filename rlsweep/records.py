@@ -7,28 +7,29 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import pandas as pd
 import pyarrow as pa
 import torch
 
 from kernels import GradientBound
 from rlsweep.execute import CellResult
-from rlsweep.tables import CHECKS_SCHEMA, TOKENS_SCHEMA, build_table
+from rlsweep.judgments import CellGold
+from rlsweep.tables import CHECKS_SCHEMA, DIVERGENCE_COLUMNS, DIVERGENCE_SCHEMA, TOKENS_SCHEMA, build_table
 from rlsweep.tensor_files import bits_sha256
 from rlsweep.verdicts import Verdict
-from rlsweep.workload import Workload
 
 
 def tokens_table(
     run: Mapping[str, Any],
     results: Sequence[CellResult],
-    reference: CellResult | None,
-    workload: Workload | None,
-    bound: Mapping[str, torch.Tensor],
+    golds: Sequence[CellGold],
     gradient: GradientBound | None = None,
 ) -> pa.Table:
-    """One row per (cell, sample_id, position), every cell in logical order; no row where nothing ran."""
+    """One row per (cell, sample_id, position), every cell in logical order with its gold's reference and bounds
+    (``golds[i]`` is ``results[i]``'s); no row where nothing ran."""
     columns: dict[str, list] = {name: [] for name in TOKENS_SCHEMA.names}
-    for result in results:
+    for result, gold in zip(results, golds, strict=True):
+        reference, workload, bound = gold.reference, gold.workload, gold.standard.bound
         count = workload.num_tokens
         if result.grad_hidden is None or gradient is None:
             columns["grad_norm"] += [math.nan] * count
@@ -68,3 +69,10 @@ def checks_table(run: Mapping[str, Any], verdicts: Sequence[Verdict]) -> pa.Tabl
     names = [name for name in CHECKS_SCHEMA.names if name in Verdict.__dataclass_fields__]
     columns = {name: [getattr(verdict, name) for verdict in verdicts] for name in names}
     return build_table(CHECKS_SCHEMA, run, columns, len(verdicts))
+
+
+def divergence_table(run: Mapping[str, Any], rows: pd.DataFrame | None) -> pa.Table:
+    """A whole model's divergence rows (``rlsweep.divergence``) with the run columns; no row for a head's run, or
+    where every cell gave the canonical cell's bits."""
+    columns = {name: [] if rows is None else rows[name].tolist() for name in DIVERGENCE_COLUMNS}
+    return build_table(DIVERGENCE_SCHEMA, run, columns, 0 if rows is None else len(rows))

@@ -14,6 +14,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import torch
 
 import kernels
@@ -23,6 +24,7 @@ from rlsweep.errors import ConfigError, RlsweepError
 from rlsweep.execute import CellResult, Filler, check_fits, peak_bytes, run_cell, run_reference
 from rlsweep.exitcodes import ExitCode
 from rlsweep.judgments import (
+    CellGold,
     Standard,
     apply_expected,
     contract_verdict,
@@ -38,12 +40,15 @@ from rlsweep.judgments import (
 from rlsweep.layouts import filler_rows_needed, plan_cells
 from rlsweep.manifest import RunIdentity
 from rlsweep.model import build_lm_head, check_weight_file, config_fingerprint
+from rlsweep.model_cells import replayed_workload
+from rlsweep.model_run import compute_whole_model
 from rlsweep.planned import plan_problems
-from rlsweep.records import checks_table, tokens_table
+from rlsweep.records import checks_table, divergence_table, tokens_table
 from rlsweep.sensitivity import refuse_blind_inputs
 from rlsweep.spec import EXECUTION_DTYPES, ProfileSpec, RunSpec
 from rlsweep.tables import (
     CHECKS_TABLE,
+    DIVERGENCE_TABLE,
     TOKENS_TABLE,
     RunLocation,
     check_writable,
@@ -110,8 +115,11 @@ def preflight(spec: RunSpec) -> None:
     A sweep runs it for each of its jobs before the first one starts (``rlsweep.callbacks``).
     """
     check_weight_file(spec.model)
-    footprint = peak_bytes(spec, workload_shape(spec.workload, spec.model))
-    check_fits(footprint, spec.profile.device, available_memory(spec.profile.device))
+    if spec.model.body is not None and spec.workload.source == "replay":
+        replayed_workload(spec.workload.path, spec.model.vocab_size)  # the head's replay shape reads no token file
+    else:
+        footprint = peak_bytes(spec, workload_shape(spec.workload, spec.model))
+        check_fits(footprint, spec.profile.device, available_memory(spec.profile.device))
     if spec.profile.device != "cuda" or torch.cuda.is_available():  # without CUDA: a red provenance verdict
         check_distributed_devices(spec)
 
@@ -160,16 +168,17 @@ def execute(spec: RunSpec, location: RunLocation, identity: RunIdentity, *, stan
             verdicts.append(computed.stop(provenance_verdict("", required, [], profile.backend_family, error=str(err))))
         else:
             observed["dispatch"] = op.to_dict()
-            computed = compute(spec, op, run, verdicts, observed)
+            computed = (compute_whole_model if spec.model.body else compute)(spec, op, run, verdicts, observed)
     standard = Standard.of(spec, computed.bound)
-    judged = judge_cells(computed.results, computed.reference, computed.workload, standard)
+    golds = computed.golds or [CellGold(computed.reference, computed.workload, standard)] * len(computed.results)
+    judged = judge_cells(computed.results, golds)
     if computed.gradient is not None:
         judged += judge_gradients(computed.results, computed.workload, computed.gradient, standard)
         judged += computed.weight_verdicts
     verdicts += judged
     if computed.stopped:
         planned = planned_verdicts(spec.layout.cell_names, contract, grad=spec.grad, logits=judges_logits(spec),
-                                   tensors=profile.tensors)  # fmt: skip
+                                   tensors=profile.tensors, whole_model=spec.model.body is not None)  # fmt: skip
         verdicts += not_run_verdicts(judged, planned, stopped_by_provenance(computed.stopped))
     verdicts = apply_expected(verdicts, spec.expectations)
     verdicts += declaration_rows(verdicts, spec.declarations, profile.name, spec.tp, standalone=standalone)
@@ -182,17 +191,16 @@ def execute(spec: RunSpec, location: RunLocation, identity: RunIdentity, *, stan
         "started": started,
         "finished": datetime.now(UTC).isoformat(),
     }
-    tokens = tokens_table(
-        run, computed.results, computed.reference, computed.workload, computed.bound, computed.gradient
-    )
+    tokens = tokens_table(run, computed.results, golds, computed.gradient)
     checks = checks_table(run, verdicts)
     # What the gate will hold the table to, held to before it is written: a verdict the harness lost is its fault.
     problems = plan_problems(spec.config, contract, checks.to_pandas(), standalone=standalone)
     if problems:
         raise RlsweepError(f"the run's verdicts are not the ones its config plans (a harness fault): {problems[0]}")
-    files = publish_tables(
-        location, {TOKENS_TABLE: with_metadata(tokens, metadata), CHECKS_TABLE: with_metadata(checks, metadata)}
-    )
+    divergence = divergence_table(run, computed.divergence)
+    files = publish_tables(location, {TOKENS_TABLE: with_metadata(tokens, metadata),
+                                      CHECKS_TABLE: with_metadata(checks, metadata),
+                                      DIVERGENCE_TABLE: with_metadata(divergence, metadata)})  # fmt: skip
     return RunOutcome(location, run["run_id"], verdicts, files)
 
 
@@ -218,6 +226,8 @@ class Computed:
     upstream: torch.Tensor | None = None  # grad=true: the gradient sent back to each token's logp [T]
     gradient: kernels.GradientBound | None = None  # grad=true: float64 gradients and their bounds
     weight_verdicts: list[Verdict] = field(default_factory=list)  # grad=true: each cell's d weight, judged as it ends
+    golds: list[CellGold] = field(default_factory=list)  # a whole model's: each cell's own (else one for every cell)
+    divergence: pd.DataFrame | None = None  # a whole model's modules in the cells that broke invariance
 
     def stop(self, verdict: Verdict) -> Verdict:
         """Provenance stopped the kernels: the red provenance ``verdict`` says why, and so does every verdict that was

@@ -29,6 +29,7 @@ from rlsweep.contract import (
 )
 from rlsweep.errors import ConfigError
 from rlsweep.exitcodes import exit_site
+from rlsweep.hf_model import ATTENTION, WholeModelSpec
 from rlsweep.synthetic import check_seed
 from rlsweep.verdicts import DECLARABLE, FORWARD_TENSORS, GRADIENT_TENSORS, Judgment, Tensor
 
@@ -133,6 +134,7 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     weights: WeightSource = field(default_factory=WeightSource)
     weight_sha256: str | None = None  # pin: a different weight hash is a red verdict
+    body: WholeModelSpec | None = None  # a whole model: its body makes the hidden states (docs/whole_model.md)
 
     def __post_init__(self) -> None:
         check_name("model.name", self.name)
@@ -209,6 +211,7 @@ class ProfileSpec:
     merge_order: str = "rank_shard"  # how the TP partials are merged
     required_nodes: Mapping[str, str] = field(default_factory=dict)  # op node -> backend id
     backend_module: str | None = None  # a module to import first: it registers backend_family (docs/extending.md)
+    body_attention: str = "sdpa"  # a whole model's attention implementation (transformers' stock ones)
     tensors: tuple[str, ...] = FORWARD_TENSORS  # the forward tensors the backend computes, each judged
     expected_red: tuple[ExpectedRed, ...] = ()
 
@@ -220,6 +223,7 @@ class ProfileSpec:
         choice(f"{where}logits_dtype", self.logits_name, tuple(EXECUTION_DTYPES))
         choice(f"{where}determinism_scope", self.determinism_scope, DETERMINISM_SCOPES)
         choice(f"{where}merge_order", self.merge_order, MERGE_ORDERS)
+        choice(f"{where}body_attention", self.body_attention, ATTENTION)
         unknown = sorted(set(self.required_nodes) - set(kernels.OP_NODES))
         if unknown or not self.required_nodes:
             raise ConfigError(
@@ -529,7 +533,9 @@ def parse_run_spec(config: Mapping[str, Any], *, contract_file: str, profile_fil
     if tp > MAX_TP:
         raise ConfigError(f"tp={tp} is above {MAX_TP}, the largest tp rlsweep runs; use 1 <= tp <= {MAX_TP}")
     weights = build(WeightSource, config["model"].get("weights", {}), "model.weights")
-    model = build(ModelSpec, config["model"], "model", weights=weights)
+    body = config["model"].get("body")
+    body = None if body is None else WholeModelSpec.parse({"name": config["model"].get("name"), **body})
+    model = build(ModelSpec, config["model"], "model", weights=weights, body=body)
     declared = expected_reds(profile.get("expected_red", ()), "profile.expected_red")
     profile_spec = build(ProfileSpec, profile, "profile", expected_red=declared)
     # Every shard a run of whole tiles: ranks past the real vocab own padding only, which merges as the identity.

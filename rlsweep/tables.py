@@ -30,11 +30,12 @@ from rlsweep.errors import OutputDirError, TablesNotFoundError
 
 TOKENS_TABLE = "tokens"  # dataset folder names; a run's manifest names its file in each
 CHECKS_TABLE = "checks"
-RUN_TABLES = (TOKENS_TABLE, CHECKS_TABLE)
+DIVERGENCE_TABLE = "divergence"  # a whole model's modules in each cell that broke invariance (empty for the head)
+RUN_TABLES = (TOKENS_TABLE, CHECKS_TABLE, DIVERGENCE_TABLE)
 PART_FILE = "part-0.parquet"  # the one file of a run's partition
 PARTITION_KEY = "job"  # a sweep's partitions: job=<Hydra job number>, the number of the job's own dir
 PARTITION_NAME = re.compile(rf"{PARTITION_KEY}=\d+")
-SCHEMA_VERSION = "rlsweep-tables/5"  # in every table's metadata; bumped when a schema changes
+SCHEMA_VERSION = "rlsweep-tables/6"  # in every table's metadata; bumped when a schema changes
 METADATA_KEY = b"rlsweep"
 
 
@@ -123,6 +124,25 @@ CHECKS_SCHEMA = pa.schema(
         ("detail", pa.string()),
     ]
 )
+# One row per module of a whole model's body, per layout cell whose logp broke invariance, against the canonical
+# cell (rlsweep.divergence); the first module to diverge has first_diverging true.
+DIVERGENCE_SCHEMA = pa.schema(
+    [
+        *RUN_COLUMNS,
+        ("cell", pa.string()),
+        ("canonical_cell", pa.string()),
+        ("module", pa.string()),  # its path in the model (model.layers.0.self_attn)
+        ("module_class", pa.string()),
+        ("order", pa.int64()),  # when it first started in the canonical cell's forward
+        ("depth", pa.int64()),  # dots in its path
+        ("tokens", pa.int64()),  # logical tokens both cells computed through it
+        ("inputs_equal", pa.bool_()),  # every per-token input bitwise equal in both cells
+        ("tokens_differing", pa.int64()),  # tokens whose output bits differ
+        ("max_abs_diff", pa.float64()),
+        ("first_diverging", pa.bool_()),
+    ]
+)
+DIVERGENCE_COLUMNS = tuple(name for name in DIVERGENCE_SCHEMA.names if name not in RUN_COLUMNS.names)
 
 
 def build_table(schema: pa.Schema, run: Mapping[str, Any], columns: Mapping[str, Any], rows: int) -> pa.Table:

@@ -93,10 +93,27 @@ def no_needle_cell(config: Mapping[str, Any]) -> str | None:
     return f"are read by no cell: layout.cells {cells(config)} has no {NEEDLE!r}"
 
 
+def whole_model(config: Mapping[str, Any]) -> str | None:
+    if config["model"].get("body") is None:
+        return None
+    return (
+        f"applies to the head alone, and model {config['model'].get('name')!r} is a whole model: its head is its "
+        "lm_head and its hidden states are its body's, on token workloads"
+    )
+
+
+def head_alone(config: Mapping[str, Any]) -> str | None:
+    if config["model"].get("body") is not None:
+        return None
+    return f"applies to whole models only, and model {config['model'].get('name')!r} is a head alone (no model.body)"
+
+
 def nothing_seeded(config: Mapping[str, Any]) -> str | None:
-    """The run seed draws a synthetic workload, the needle cells' filler rows and grad=true's upstream gradients."""
+    """The run seed draws a synthetic workload, the needle cells' filler rows and grad=true's upstream gradients (a
+    whole model's needles are the workload's own sequences)."""
     workload = config["workload"]
-    if workload.get("source") != "replay" or NEEDLE in cells(config) or config.get("grad"):
+    fillers = NEEDLE in cells(config) and config["model"].get("body") is None
+    if workload.get("source") != "replay" or fillers or config.get("grad"):
         return None
     return (
         f"seeds synthetic workloads, needle cells and grad=true only, and this run has none: workload "
@@ -116,6 +133,11 @@ RULES = (
     UnreadRule(("workload.path",), synthetic_workload, "use workload=replay to replay the file"),
     UnreadRule(("layout.chunk_size",), no_chunked_cell, f"add {' or '.join(CHUNKED_CELLS)} to layout.cells"),
     UnreadRule(("layout.needles",), no_needle_cell, f"add {NEEDLE!r} to layout.cells"),
+    UnreadRule(("model.weights.kind", "model.weights.seed", "model.weights.logit_std", "model.weights.path",
+                "model.weights.tensor", "model.padded_vocab_size", "model.tie_word_embeddings",
+                "workload.hidden_scale", "workload.sample_scales", "workload.probe_samples"), whole_model,
+               "choose a head model (model=tiny, say) to sweep the head alone"),
+    UnreadRule(("profile.body_attention",), head_alone, "choose a whole model (model=qwen3_tiny, say)"),
     UnreadRule(("seed",), nothing_seeded, f"add a {NEEDLE!r} cell or grad=true, or choose a synthetic workload"),
 )  # fmt: skip
 CONDITIONAL_KEYS = tuple(key for rule in RULES for key in rule.keys)  # every key some choice leaves unread

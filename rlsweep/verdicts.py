@@ -25,6 +25,8 @@ class Judgment(StrEnum):
     GRADIENT_INVARIANCE = "gradient_invariance"
     KERNEL_ACCURACY = "kernel_accuracy"  # the kernel's own arithmetic, on the logits it read (rlsweep.arithmetic)
     KERNEL_BIAS = "kernel_bias"  # a one-signed error over many tokens, inside every per-token bound
+    MODULE_ACCURACY = "module_accuracy"  # a whole model's body, module by module against float64 (docs/contract.md)
+    TRAINER_ROLLOUT = "trainer_rollout"  # a whole model's rollout cells against its trainer's (verl's metrics)
     EXPECTED_RED = "expected_red"  # a row about a declaration that matched nothing
 
 
@@ -50,11 +52,14 @@ RUN_JUDGMENTS = (
     Judgment.GRADIENT_ACCURACY,
     Judgment.KERNEL_ACCURACY,
     Judgment.KERNEL_BIAS,
+    Judgment.MODULE_ACCURACY,
+    Judgment.TRAINER_ROLLOUT,
 )
 SWEEP_JUDGMENTS = (Judgment.TP_INVARIANCE, Judgment.BACKEND_PARITY)
 BOTH_LEVELS = (Judgment.GRADIENT_INVARIANCE,)  # judged within a run (across cells) and by the gate (across tp)
 DECLARABLE = RUN_JUDGMENTS + SWEEP_JUDGMENTS + BOTH_LEVELS  # what an expected_red declaration may name
 GRAD_ONLY = (Judgment.GRADIENT_ACCURACY,)  # run judgments that only a grad=true run judges
+WHOLE_MODEL_ONLY = (Judgment.MODULE_ACCURACY, Judgment.TRAINER_ROLLOUT)  # run judgments only a whole model's run has
 NO_CELL = ""  # lhs_cell/rhs_cell of verdicts that are not about a cell (contract, weight pin)
 # The detail's start of a chain row the contract has no row for: threshold NaN, passed and expected_pass true.
 REPORTED_ONLY = "reported, not judged"

@@ -70,8 +70,8 @@ def test_transformers_never_takes_this_projects_kernels_package_for_the_hubs():
         ),
         ({"source": "config", "hf_config": {**QWEN3_TINY, "auto_map": {"AutoModel": "x.Y"}}}, "trust_remote_code"),
         ({"source": "config", "hf_config": {"hidden_size": 8}}, "needs the transformers config's fields"),
-        ({"source": "hub"}, "model.source='hub' is not one of"),
-        ({"source": "config", "hf_config": QWEN3_TINY, "seed": -1}, "model.seed=-1"),
+        ({"source": "hub"}, "model.body.source='hub' is not one of"),
+        ({"source": "config", "hf_config": QWEN3_TINY, "seed": -1}, "model.body.seed=-1"),
     ],
 )
 def test_a_model_that_would_reach_a_hub_or_run_remote_code_is_refused_in_one_line(raw, message):

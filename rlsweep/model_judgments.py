@@ -1,0 +1,113 @@
+"""The verdicts only a whole model's run writes (docs/whole_model.md): what its body ran, each module's accuracy
+against float64, the end-to-end error (reported) and the trainer's logprobs against the rollout's (reported)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import pandas as pd
+import torch
+
+from rlsweep.mismatch import METRICS
+from rlsweep.model_cells import ROLLOUT_CELLS, TRAINER_CELL, mismatch_values
+from rlsweep.verdicts import NO_CELL, REPORTED_ONLY, Judgment, Verdict
+
+BODY = "body"  # the tensor column of a whole model's body provenance rows (the head's have "")
+END_TO_END = "end_to_end"  # the tensor column of the reported end-to-end error row
+MODULE_OP_CLASSES = ("linear", "rmsnorm", "rotary")  # rlsweep.module_accuracy.op_class: one verdict each
+# A profile's body_attention -> the attention function transformers must call, and the dispatcher op it must reach.
+ATTENTION_RAN = {
+    "eager": ("eager_attention_forward", "aten::softmax"),
+    "sdpa": ("sdpa_attention_forward", "aten::scaled_dot_product_attention"),
+}
+SDPA_OP = ATTENTION_RAN["sdpa"][1]
+
+
+def body_provenance_verdict(cell: str, declared: str, attention: Sequence[str], ops: Sequence[str]) -> Verdict:
+    """What the body ran in ``cell`` against the profile's ``body_attention``: transformers may fall back to another
+    implementation without a word, so the function it called (``model_cells.watching_attention``) and the ops the
+    dispatcher saw decide, not the config."""
+    function, op = ATTENTION_RAN[declared]
+    ran = list(dict.fromkeys(attention))
+    problems = []
+    if not ran:
+        problems.append("no attention function of transformers' registry was called (another path ran attention)")
+    other = [name for name in ran if name.rsplit(".", 1)[-1] != function]
+    if other:
+        problems.append(f"attention ran {other}, not {function}")
+    if op not in ops:
+        problems.append(f"{op} never ran")
+    if declared != "sdpa" and SDPA_OP in ops:
+        problems.append(f"{SDPA_OP} ran")
+    detail = f"body_attention={declared}: attention ran {ran or 'nothing'}; ops {', '.join(ops) or 'none'}"
+    return Verdict(Judgment.PROVENANCE, BODY, "candidate", "body_attention", cell, NO_CELL, metric="mismatches",
+                   value=float(len(problems)), threshold=0.0, passed=not problems,
+                   detail="; ".join([*problems, detail]))  # fmt: skip
+
+
+def module_accuracy_verdicts(table: pd.DataFrame, cell: str, roles: tuple[str, str]) -> list[Verdict]:
+    """One verdict per op class of ``MODULE_OP_CLASSES`` over the modules ``rlsweep.module_accuracy.module_accuracy``
+    judged in ``cell``: the largest share of its bound any module used (at most 1 passes); an op class of which no
+    module ran is red (nothing was judged)."""
+    verdicts = []
+    for kind in MODULE_OP_CLASSES:
+        rows = table[table.op_class == kind]
+        verdict = Verdict(Judgment.MODULE_ACCURACY, kind, *roles, cell, cell, metric="bound_used", value=math.nan,
+                          threshold=1.0, passed=False,
+                          detail=f"no module of op class {kind} ran in {cell}: nothing was judged")  # fmt: skip
+        if len(rows):
+            worst = rows.loc[rows.bound_used.idxmax()]
+            failing = int((~rows.passed).sum())
+            detail = (
+                f"{len(rows)} module(s), {failing} over their bound; worst {worst.module} ({worst.module_class}): "
+                f"max |error| {worst.max_abs_error:.3g} against float64 of the module, {worst.bound_used:.3g} of its "
+                "bound (docs/contract.md#whole-model-modules)"
+            )
+            verdict = Verdict(Judgment.MODULE_ACCURACY, kind, *roles, cell, cell, metric="bound_used",
+                              value=float(worst.bound_used), threshold=1.0, passed=failing == 0,
+                              detail=detail)  # fmt: skip
+        verdicts.append(verdict)
+    return verdicts
+
+
+def end_to_end_verdict(error: Mapping[str, float] | str, cell: str, roles: tuple[str, str]) -> Verdict:
+    """The reported end-to-end error of ``cell``'s logp against a float64 forward of the same weights (``error``:
+    ``rlsweep.module_accuracy.end_to_end_error``'s, or why it was not computed): no bound is proven for it."""
+    if isinstance(error, str):
+        value, about = math.nan, f"not computed: {error}"
+    else:
+        value = error["max_abs_error"]
+        about = f"over {error['tokens']} judged tokens, mean |error| {error['mean_abs_error']:.3g}"
+    return Verdict(Judgment.MODULE_ACCURACY, END_TO_END, *roles, cell, cell, metric="max_abs_error", value=value,
+                   threshold=math.nan, passed=True,
+                   detail=f"{REPORTED_ONLY}: no bound is proven for the whole forward; logp against a float64 forward "
+                          f"of the same weights, each sequence alone, {about}")  # fmt: skip
+
+
+def trainer_rollout_verdicts(
+    logp: Mapping[str, torch.Tensor], active: torch.Tensor, sample_ids: torch.Tensor, clip: tuple[float, float],
+    roles: tuple[str, str],
+) -> list[Verdict]:  # fmt: skip
+    """verl's mismatch metrics of the trainer's cell against each rollout cell the run computed (``logp`` by cell,
+    every token in logical order; the judged ones are ``active``): one reported row per (rollout cell, metric name)."""
+    trainer = logp[TRAINER_CELL][active]
+    verdicts = []
+    for cell in rollout_cells(logp):
+        values, count = mismatch_values(trainer, logp[cell][active], sample_ids[active], clip)
+        about = f"{REPORTED_ONLY}: {TRAINER_CELL} (trainer) against {cell} (rollout) over {count} judged tokens"
+        verdicts += [Verdict(Judgment.TRAINER_ROLLOUT, "logp", *roles, cell, TRAINER_CELL, metric=name, value=value,
+                             threshold=math.nan, passed=True, detail=about) for name, value in values]  # fmt: skip
+    return verdicts
+
+
+def rollout_cells(cells: Sequence[str] | Mapping[str, object]) -> list[str]:
+    """The rollout cells among ``cells``, in ``ROLLOUT_CELLS``' order."""
+    return [cell for cell in ROLLOUT_CELLS if cell in cells]
+
+
+def reported_keys(cells: Sequence[str]) -> set[tuple[str, str, str, str]]:
+    """The plan keys (``judgments.plan_key``) of the reported rows a whole model's run over ``cells`` writes."""
+    keys = {(Judgment.MODULE_ACCURACY, END_TO_END, cells[0], "")}
+    return keys | {(Judgment.TRAINER_ROLLOUT, "logp", cell, name) for cell in rollout_cells(cells)
+                   for metric in METRICS for name in metric.names}  # fmt: skip
