@@ -69,19 +69,31 @@ def synthetic_prompts(seed: int, vocab: int, prompt_lens: Sequence[int]) -> list
     return prompts
 
 
+def sampling_model(built: BuiltModel) -> torch.nn.Module:
+    """A float32 copy of the model's weights (as rounded to its dtype) with eager attention: what samples responses.
+    Every profile of one dtype gives it the same weights, and none of its attention kernels, so their runs sample the
+    same tokens and compare (``backend_parity``)."""
+    import copy
+
+    model = copy.deepcopy(built.model).to(torch.float32)
+    model.set_attn_implementation("eager")
+    return model
+
+
 @torch.no_grad()
 def sample_responses(built: BuiltModel, prompts: Sequence[torch.Tensor], response_lens: Sequence[int], seed: int):
-    """Each prompt continued by ``response_lens`` tokens drawn from the model's own next-token distribution (its
-    logits in its dtype, softmax in float64) by inverse CDF of a counter-based uniform per (sample, position)."""
+    """Each prompt continued by ``response_lens`` tokens drawn from the model's next-token distribution (the logits of
+    ``sampling_model``, softmax in float64) by inverse CDF of a counter-based uniform per (sample, position)."""
     check_seed(seed, "workload.seed")
     if len(prompts) != len(response_lens):
         raise ConfigError(f"{len(prompts)} prompts but {len(response_lens)} response lengths")
     device = built.head_weight.device
+    model = sampling_model(built)
     sequences = []
     for sample, (prompt, n) in enumerate(zip(prompts, response_lens, strict=True)):
         ids = prompt.clone()
         for _ in range(n):
-            logits = built.model(input_ids=ids[None].to(device), use_cache=False).logits[0, -1]
+            logits = model(input_ids=ids[None].to(device), use_cache=False).logits[0, -1]
             probs = torch.softmax(logits.double().cpu(), dim=-1)
             u = uniform(seed, "sample", torch.tensor([[sample]]), torch.tensor([[ids.numel()]]))[0, 0]
             token = int(torch.searchsorted(torch.cumsum(probs, 0), u * probs.sum()).clamp(max=probs.numel() - 1))

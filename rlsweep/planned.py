@@ -90,6 +90,8 @@ def plan_problems(
     problems += named("verdict(s) its config does not plan, or repeated", kernel - best)
     problems += named("reported-only row(s) of no chain metric, or repeated",
                       reported - Counter(reported_only - set(best)))  # fmt: skip
+    if whole and not stopped:  # a whole model's reported rows are its run's only record of what they measure
+        problems += named("reported row(s) of a whole model missing", Counter(reported_keys(cells)) - reported)
     problems += named("row(s) of no judgment a run writes", Counter(plan_key(v) for v in others))
     if contract_rows != 1:
         problems.append(f"{contract_rows} contract rows (a run writes one)")

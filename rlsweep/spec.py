@@ -454,6 +454,11 @@ class RunSpec:
             )
         backend = kernels.BACKENDS[family]
         self.check_backend_reach(backend.capability)
+        if self.model.body is not None and self.grad:
+            raise ConfigError(
+                f"grad=true with model {self.model.name!r}, a whole model: its backward is not judged; leave grad "
+                "unset, or choose a head model (model=tiny, say) to judge the head's gradients"
+            )
         if self.grad and self.tp_mode == "distributed" and not kernels.has_tiled_backward(backend):
             tiled = [name for name, impl in kernels.BACKENDS.items() if kernels.has_tiled_backward(impl)]
             raise ConfigError(

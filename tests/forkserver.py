@@ -39,6 +39,10 @@ SERVER = r"""
 import json, os, signal, sys
 for name in json.loads(sys.argv[1]):
     __import__(name)
+try:  # what a whole model's run builds (the optional extra "model")
+    import transformers.models.qwen3.modeling_qwen3
+except ImportError:
+    pass
 if os.environ.get("TRITON_INTERPRET") == "1":
     import kernels.triton_kernels
 requests, replies = sys.stdin.buffer, sys.stdout

@@ -1,0 +1,58 @@
+"""Realistic bugs in a whole model's body, planted for a run as a profile's backend module:
+``profile.backend_module=bug_bodies`` with ``RLSWEEP_BODY_BUG`` naming the bug (the run's process only: each test
+run is its own process). Each patches transformers' Qwen3 classes the way a faulty fork or kernel override would."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.qwen3 import modeling_qwen3
+
+
+def norms_in_bf16() -> None:
+    """RMSNorm computed in the input's dtype (bf16) instead of fp32."""
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    modeling_qwen3.Qwen3RMSNorm.forward = forward
+
+
+def rope_base_1e4() -> None:
+    """A RoPE base of 1e4 where the config says 1e6."""
+    stock = modeling_qwen3.Qwen3RotaryEmbedding.forward
+
+    def forward(self, x, position_ids):
+        dim = self.inv_freq.numel() * 2
+        self.inv_freq = 1.0 / (1e4 ** (torch.arange(0, dim, 2, dtype=torch.float32, device=x.device) / dim))
+        return stock(self, x, position_ids)
+
+    modeling_qwen3.Qwen3RotaryEmbedding.forward = forward
+
+
+def attention_swapped() -> None:
+    """A plugin that registers its own function under "sdpa": the config still says sdpa."""
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        return modeling_qwen3.eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = attention
+    assert sdpa_attention_forward is not attention
+
+
+def mlp_batch_scaled() -> None:
+    """An MLP whose output moves by 2^-6 only when the call holds more than one sequence."""
+    stock = modeling_qwen3.Qwen3MLP.forward
+
+    def forward(self, x):
+        out = stock(self, x)
+        return out * (1 + 2**-6) if x.shape[0] > 1 else out
+
+    modeling_qwen3.Qwen3MLP.forward = forward
+
+
+BUGS = {bug.__name__: bug for bug in (norms_in_bf16, rope_base_1e4, attention_swapped, mlp_batch_scaled)}
+BUGS[os.environ["RLSWEEP_BODY_BUG"]]()

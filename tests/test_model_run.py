@@ -1,0 +1,153 @@
+"""A whole model swept by ``python -m rlsweep model=qwen3_tiny``: its tables, its verdicts, the divergence table, the
+gate across tp, and realistic body bugs planted as a profile's backend module (tests/bug_bodies.py) going red."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+pytest.importorskip("transformers")
+
+from rlsweep.gate import load_run, run_gate  # noqa: E402
+from rlsweep.planned import plan_problems  # noqa: E402
+from rlsweep.tables import DIVERGENCE_COLUMNS, RUN_COLUMNS  # noqa: E402
+from rlsweep_fixtures import multirun, run_rlsweep  # noqa: E402
+
+TESTS = Path(__file__).parent
+MODEL = "model=qwen3_tiny"
+SMALL = "layout.cells=[BN/packed,BN/pad_right,decode]"  # a trainer's cell, a padded batch and a rollout
+
+
+def tables(run_dir: Path) -> dict[str, pd.DataFrame]:
+    return {name: pd.read_parquet(run_dir / name) for name in ("tokens", "checks", "divergence")}
+
+
+def red(checks: pd.DataFrame) -> pd.DataFrame:
+    return checks[~checks.passed]
+
+
+@pytest.fixture(scope="module")
+def eager_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("eager")
+    done = run_rlsweep(run_dir, MODEL, "profile=eager_cpu_bf16")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def sdpa_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("sdpa")
+    done = run_rlsweep(run_dir, MODEL, "profile=cpu_bf16")
+    assert done.returncode == 2, done.stderr[-3000:]
+    return run_dir
+
+
+def test_eager_attention_is_green_in_every_cell_with_every_whole_model_verdict(eager_run):
+    found = tables(eager_run)
+    checks, tokens = found["checks"], found["tokens"]
+    assert checks.passed.all() and found["divergence"].empty
+    cells = set(tokens.cell)
+    assert len(cells) == 13 and {"BN/packed", "BN/chunked", "B1/chunked", "decode", "needle/M=257/pos=128"} <= cells
+    body = checks[(checks.judgment == "provenance") & (checks.tensor == "body")]
+    assert set(body.lhs_cell) == cells and body.detail.str.contains("eager_attention_forward").all()
+    modules = checks[checks.judgment == "module_accuracy"].set_index("tensor")
+    assert set(modules.index) == {"linear", "rmsnorm", "rotary", "end_to_end"}
+    assert (modules.value[["linear", "rmsnorm", "rotary"]] > 0.5).all()  # the bounds are tight, not vacuous
+    assert 0 < modules.value["end_to_end"] < 1 and math.isnan(modules.threshold["end_to_end"])
+    rollout = checks[checks.judgment == "trainer_rollout"]
+    assert set(rollout.lhs_cell) == {"decode", "BN/pad_left", "B1/full"} and set(rollout.rhs_cell) == {"BN/packed"}
+    ratio = rollout.metric == "ppl_ratio"
+    assert (rollout.value[ratio] == 1.0).all() and (rollout.value[~ratio] == 0.0).all()
+    # The head's accuracy is judged on each cell's own hidden states, against float64 of the head on them.
+    accuracy = checks[checks.judgment == "forward_accuracy"]
+    assert set(accuracy.lhs_cell) == cells and (accuracy.value > 0).all()
+    assert tokens.active.sum() == 13 * 27 and (tokens.ref_logp[tokens.active] < 0).all()
+
+
+def test_stock_sdpa_is_red_in_the_moved_cells_and_names_its_first_attention(sdpa_run):
+    found = tables(sdpa_run)
+    checks, divergence = found["checks"], found["divergence"]
+    failed = red(checks)
+    assert set(failed.judgment) == {"forward_invariance"}, failed.detail.tolist()[:3]
+    assert {"BN/pad_right", "B1/full", "decode", "BN/chunked"} <= set(failed.lhs_cell)
+    assert list(divergence.columns) == [*RUN_COLUMNS.names, *DIVERGENCE_COLUMNS]
+    first = divergence[divergence.first_diverging]
+    assert set(first.cell) == set(failed.lhs_cell)  # one first module per red cell
+    assert (first.module == "model.layers.0.self_attn").all() and (first.tokens_differing > 0).all()
+    assert (divergence.canonical_cell == "BN/packed").all()
+    rollout = checks[(checks.judgment == "trainer_rollout")].set_index(["lhs_cell", "metric"]).value
+    assert rollout["decode", "k3_kl"] > 0 and rollout["decode", "ppl_ratio"] != 1.0
+
+
+def test_a_whole_model_sweep_is_gated_across_tp_and_profiles(tmp_path):
+    sweep = tmp_path / "sweep"
+    done = multirun(sweep, MODEL, SMALL, "profile=eager_cpu_bf16,cpu_bf16", "tp=1,2")
+    assert done.returncode == 2, done.stderr[-3000:]
+    result = run_gate(sweep)
+    assert not result.incomplete and len(result.runs) == 4
+    tp = result.sweep_checks[result.sweep_checks.judgment == "tp_invariance"]
+    assert len(tp) and tp.passed.all()  # the head splits bitwise at tp 2 behind either body
+    parity = result.sweep_checks[result.sweep_checks.judgment == "backend_parity"]
+    assert len(parity) == 4  # both profiles sampled the same tokens, so their runs compare
+    unexpected = result.unexpected
+    assert set(unexpected.profile) == {"cpu_bf16"} and set(unexpected.judgment) == {"forward_invariance"}
+
+
+def test_a_checks_table_that_lost_a_whole_model_row_is_not_what_its_config_plans(eager_run):
+    run = load_run(eager_run)
+    config, contract, checks = run.config, run.contract, run.checks
+    assert plan_problems(config, contract, checks, standalone=True) == []
+    for judgment, tensor in (("module_accuracy", "rmsnorm"), ("provenance", "body"), ("trainer_rollout", "logp")):
+        dropped = checks.drop(checks.index[(checks.judgment == judgment) & (checks.tensor == tensor)][:1])
+        assert plan_problems(config, contract, dropped, standalone=True), (judgment, tensor)
+
+
+@pytest.mark.parametrize(
+    ("bug", "profile", "judgment", "tensor"),
+    [
+        ("norms_in_bf16", "eager_cpu_bf16", "module_accuracy", "rmsnorm"),
+        ("rope_base_1e4", "eager_cpu_bf16", "module_accuracy", "rotary"),
+        ("attention_swapped", "cpu_bf16", "provenance", "body"),
+        ("mlp_batch_scaled", "eager_cpu_bf16", "forward_invariance", "logp"),
+    ],
+)
+def test_realistic_body_bugs_are_red_by_a_margin(tmp_path, bug, profile, judgment, tensor):
+    env = {"PYTHONPATH": str(TESTS), "RLSWEEP_BODY_BUG": bug}
+    done = run_rlsweep(tmp_path, MODEL, f"profile={profile}", "profile.backend_module=bug_bodies", SMALL, env=env)
+    assert done.returncode == 2, done.stderr[-3000:]
+    failed = red(tables(tmp_path)["checks"])
+    assert ((failed.judgment == judgment) & (failed.tensor == tensor)).any(), failed[["judgment", "tensor"]]
+    if judgment == "module_accuracy":
+        modules = failed[failed.judgment == judgment]
+        assert set(modules.tensor) == {tensor} and modules.value.min() > 1.5, modules.detail.tolist()
+    if bug == "mlp_batch_scaled":
+        first = tables(tmp_path)["divergence"].query("first_diverging")
+        assert set(first.module) == {"model.layers.0.mlp"} and set(first.cell) == {"BN/pad_right", "decode"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (("model.body.source=checkpoint", "model.body.path=Qwen/Qwen3-1.7B"), "never reaches a model hub"),
+        (("+model.body.hf_config.auto_map={AutoModelForCausalLM:x.Y}",), "trust_remote_code"),
+        (("model.weights.seed=3",), "model.weights.seed=3 applies to the head alone"),
+        (("workload.hidden_scale=2",), "workload.hidden_scale=2.0 applies to the head alone"),
+        (("grad=true",), "its backward is not judged"),
+        (("model.hidden_size=64",), r"lm_head.weight is \[3001, 128\]"),
+        (("profile.body_attention=flash",), "body_attention"),
+    ],
+)
+def test_a_whole_model_run_refuses_what_it_cannot_judge_in_one_line(tmp_path, overrides, message):
+    done = run_rlsweep(tmp_path, MODEL, "profile=eager_cpu_bf16", *overrides)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert re.search(message, done.stderr), done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+
+
+def test_body_attention_on_a_head_alone_is_refused(tmp_path):
+    done = run_rlsweep(tmp_path, "model=tiny", "profile=cpu_bf16", "profile.body_attention=eager")
+    assert done.returncode == 1 and "applies to whole models only" in done.stderr, done.stderr[-2000:]
