@@ -12,10 +12,11 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from rlsweep.gate import load_run, run_gate  # noqa: E402
-from rlsweep.planned import plan_problems  # noqa: E402
-from rlsweep.tables import DIVERGENCE_COLUMNS, RUN_COLUMNS  # noqa: E402
-from rlsweep_fixtures import multirun, run_rlsweep  # noqa: E402
+from rlsweep_fixtures import multirun, run_rlsweep
+
+from rlsweep.gate import load_run, run_gate
+from rlsweep.planned import plan_problems
+from rlsweep.tables import DIVERGENCE_COLUMNS, RUN_COLUMNS
 
 TESTS = Path(__file__).parent
 MODEL = "model=qwen3_tiny"
