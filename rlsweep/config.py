@@ -58,8 +58,8 @@ class ModelConfig:
     """The pinned identity of the lm_head under test, and of the body before it where a whole model is swept."""
 
     name: str = MISSING
-    hidden_size: int = MISSING
-    vocab_size: int = MISSING
+    hidden_size: int | None = MISSING  # null: a whole model's, read from its config (model.body)
+    vocab_size: int | None = MISSING
     padded_vocab_size: int | None = None  # the checkpoint's padded embedding rows, if it pads
     tie_word_embeddings: bool = False
     weights: WeightSourceConfig = field(default_factory=WeightSourceConfig)

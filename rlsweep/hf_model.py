@@ -30,6 +30,7 @@ VOLATILE_CONFIG_FIELDS = frozenset({
     "return_dict", "_experts_implementation",
 })  # fmt: skip
 SOURCES = ("config", "checkpoint")
+GEOMETRY = ("hidden_size", "vocab_size")  # the head's sizes, read from a whole model's config
 ATTENTION = ("eager", "sdpa")  # the stock attention implementations a profile may name
 NORM_JITTER = 0.1  # an RMSNorm weight is 1 + this * N(0, 1): a norm computed in the wrong dtype shows
 LOGIT_STD = 4.0  # an untied head's weight std is this / sqrt(hidden): logits of a realistic scale (std 3 - 5)
@@ -69,6 +70,26 @@ class WholeModelSpec:
         path = raw.get("path")
         checkpoint_dir(path)
         return WholeModelSpec(name, source, path=str(path), seed=seed)
+
+    def config_fields(self) -> Mapping[str, Any]:
+        """The transformers config's fields: ``hf_config``, or the checkpoint's config.json (read in one line's
+        refusal when it is not a JSON object)."""
+        if self.hf_config is not None:
+            return self.hf_config
+        config_file = checkpoint_dir(self.path) / "config.json"
+        try:
+            fields = json.loads(config_file.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            raise ConfigError(f"model.body.path={self.path!r}: {config_file} is unreadable ({err})") from None
+        if not isinstance(fields, dict):
+            raise ConfigError(f"model.body.path={self.path!r}: {config_file} is not a JSON object")
+        refuse_remote_code(fields, str(config_file))
+        return fields
+
+    def geometry(self) -> dict[str, Any]:
+        """The head's geometry as the model's config gives it: hidden_size and vocab_size (what model.* must be)."""
+        fields = self.config_fields()
+        return {key: fields.get(key) for key in GEOMETRY}
 
 
 def refuse_remote_code(fields: Mapping[str, Any], where: str) -> None:
@@ -146,8 +167,7 @@ def build_model(spec: WholeModelSpec, *, dtype: torch.dtype, attention: str, dev
         fill_synthetic(model, spec.seed)
     else:
         directory = checkpoint_dir(spec.path)
-        raw = json.loads((directory / "config.json").read_text())
-        refuse_remote_code(raw, f"{directory}/config.json")
+        spec.config_fields()  # readable, and no auto_map
         model = transformers.AutoModelForCausalLM.from_pretrained(
             directory, local_files_only=True, trust_remote_code=False, attn_implementation=attention, dtype=dtype
         ).to(device)

@@ -29,7 +29,7 @@ from rlsweep.contract import (
 )
 from rlsweep.errors import ConfigError
 from rlsweep.exitcodes import exit_site
-from rlsweep.hf_model import ATTENTION, WholeModelSpec
+from rlsweep.hf_model import ATTENTION, GEOMETRY, WholeModelSpec
 from rlsweep.synthetic import check_seed
 from rlsweep.verdicts import DECLARABLE, FORWARD_TENSORS, GRADIENT_TENSORS, Judgment, Tensor
 
@@ -540,7 +540,7 @@ def parse_run_spec(config: Mapping[str, Any], *, contract_file: str, profile_fil
     weights = build(WeightSource, config["model"].get("weights", {}), "model.weights")
     body = config["model"].get("body")
     body = None if body is None else WholeModelSpec.parse({"name": config["model"].get("name"), **body})
-    model = build(ModelSpec, config["model"], "model", weights=weights, body=body)
+    model = build(ModelSpec, config["model"], "model", weights=weights, body=body, **model_geometry(config, body))
     declared = expected_reds(profile.get("expected_red", ()), "profile.expected_red")
     profile_spec = build(ProfileSpec, profile, "profile", expected_red=declared)
     # Every shard a run of whole tiles: ranks past the real vocab own padding only, which merges as the identity.
@@ -559,6 +559,27 @@ def parse_run_spec(config: Mapping[str, Any], *, contract_file: str, profile_fil
         expected_red=expected_reds(config.get("expected_red", ()), "expected_red"),
         config=config,
     )
+
+
+def model_geometry(config: Mapping[str, Any], body: WholeModelSpec | None) -> dict[str, int]:
+    """model.hidden_size and model.vocab_size: as given for a head; for a whole model, its config's, which a value
+    given must equal (null takes the config's)."""
+    given = {key: config["model"].get(key) for key in GEOMETRY}
+    if body is None:
+        for key, value in given.items():
+            if value is None:
+                raise ConfigError(f"model.{key}=null: a head alone needs its size (null is for a whole model's body)")
+        return given
+    for key, value in body.geometry().items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"model {body.name!r}: its config's {key}={value!r} is not an integer")
+        if given[key] is not None and given[key] != value:
+            raise ConfigError(
+                f"model.{key}={given[key]!r} is not the whole model's own {key}={value} (its config's); leave it "
+                "null to take the config's"
+            )
+        given[key] = value
+    return given
 
 
 def expected_reds(entries: Sequence[Mapping[str, Any]], where: str) -> tuple[ExpectedRed, ...]:

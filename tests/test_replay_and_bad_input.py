@@ -376,13 +376,20 @@ CHECKED_IN = [
         else []
     )
     + (["workload.path=capture.st"] if path.parent.name == "workload" and path.stem == "replay" else [])
+    + (["model.body.path={checkpoint}"] if path.parent.name == "model" and path.stem == "checkpoint" else [])
     for path in sorted(CONF.glob("*/*.yaml"))
 ]
 
 
 @pytest.mark.parametrize("overrides", CHECKED_IN, ids=lambda overrides: overrides[0])
-def test_every_checked_in_config_parses(overrides):
-    run_spec(compose_run(*overrides))
+def test_every_checked_in_config_parses(overrides, tmp_path):
+    # A checkpoint dir as model=checkpoint reads it at parse time: config.json (the head's sizes) beside weights.
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3", "hidden_size": 64, "vocab_size": 300}')
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    spec = run_spec(compose_run(*(o.format(checkpoint=tmp_path) for o in overrides)))
+    if spec.model.body is not None:  # a whole model's head has its config's sizes
+        fields = spec.model.body.config_fields()
+        assert (spec.model.hidden_size, spec.model.vocab_size) == (fields["hidden_size"], fields["vocab_size"])
 
 
 def test_unwritable_tables_dir_is_a_usage_error(tmp_path):

@@ -129,7 +129,7 @@ def test_a_profile_claiming_more_than_its_backend_keeps_is_refused_by_dispatch(t
     }  # fmt: skip
     assert not_run.detail.str.startswith("not run: provenance").all() and not not_run.passed.any()
     # One root cause, one line: the provenance verdict and every verdict it stopped, counted (they were 20 lines).
-    (listed,) = done.stdout.split("/checks/part-0.parquet\n")[1].splitlines()
+    (listed,) = done.stdout.split("/divergence/part-0.parquet\n")[1].splitlines()
     assert listed.startswith(f"  {len(red)} verdicts: provenance (expected pass) at forward_accuracy logp BN/packed")
     assert listed.endswith(f"; first: {' '.join(red.detail.iloc[0].split())}")
 
