@@ -273,20 +273,42 @@ def observing_dispatcher() -> Iterator[None]:
     # autograd's profiler, not torch.profiler's, whose start imports torch._inductor (a second) to look for it.
     with _PROFILER, profile(use_device=None, experimental_config=profiler_config()) as profiler:
         yield
-    kept = {}
-    for event in sorted(profiler.function_events, key=lambda event: event.time_range.start):
-        launch = observed_launch(event.name)
-        if launch is None:
-            continue
-        ancestors = []
-        parent = event.cpu_parent
-        while parent is not None:
-            ancestors.append(parent)
-            parent = parent.cpu_parent
-        if not any(a.id in kept or a.name in COMPILING for a in ancestors):
-            kept[event.id] = launch
-    for launch in kept.values():
+    for launch in outermost_launches(profiler.kineto_results.events()):
         record(launch)
+
+
+def outermost_launches(events: Iterable[Any]) -> list[KernelLaunch]:
+    """The launches (``observed_launch``) among a profile's raw events that no other kept launch or compiling event
+    encloses on its thread, in the order they started. Nesting is read from each CPU event's thread and interval,
+    as torch's own event tree reads it, without building that tree: it costs seconds for a body's tens of thousands
+    of ops (``torch.autograd.profiler.profile.function_events``)."""
+    launches: dict[str, KernelLaunch | None] = {}
+    by_thread: dict[int, list[tuple[int, int, str]]] = {}
+    for event in events:
+        name = event.name()
+        if name not in launches:
+            launches[name] = observed_launch(name)
+        if launches[name] is None and name not in COMPILING:
+            continue  # neither kept nor hiding what it encloses: it changes nothing below
+        if event.device_type() != torch.autograd.DeviceType.CPU or event.is_async():
+            continue
+        if event.start_thread_id() != event.end_thread_id() or getattr(event, "is_hidden_event", bool)():
+            continue  # an event on two threads is async, as torch's tree reads it; hidden ones it leaves out
+        by_thread.setdefault(event.start_thread_id(), []).append((event.start_ns(), event.end_ns(), name))
+    kept: list[tuple[int, KernelLaunch]] = []
+    for spans in by_thread.values():
+        enclosing: list[int] = []  # the ends of the open kept or compiling events around the current one
+        for start, end, name in sorted(spans, key=lambda span: (span[0], -span[1])):
+            while enclosing and enclosing[-1] <= start:
+                enclosing.pop()
+            if enclosing:
+                continue
+            launch = launches[name]
+            if launch is not None:
+                kept.append((start, launch))
+            if launch is not None or name in COMPILING:
+                enclosing.append(end)
+    return [launch for _, launch in sorted(kept, key=lambda item: item[0])]
 
 
 def distinct_launches(launches: Iterable[KernelLaunch]) -> tuple[KernelLaunch, ...]:

@@ -8,6 +8,7 @@ fillers are dropped). Two cells' records are then compared token by token, modul
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from kernels.bitwise import bit_pattern, first_bit_difference
+from kernels.bitwise import bit_pattern, bit_view
 from rlsweep.hf_model import BuiltModel
 from rlsweep.model_cells import CURRENT_SLOTS, DEFAULT_CHUNK_SIZE, TRAINER_CELL, TokenWorkload, cell_hidden
 from rlsweep.tables import DIVERGENCE_COLUMNS
@@ -24,12 +25,39 @@ from rlsweep.tables import DIVERGENCE_COLUMNS
 
 @dataclass
 class ModuleRecord:
-    """One module's rows by logical token: the bytes of its per-token inputs, its output row."""
+    """One module's rows by logical token, gathered call by call: each call's tokens, the bytes of its per-token
+    inputs (one row per token) and its output rows. A token recorded twice keeps its last call's rows."""
 
     module_class: str
     order: int  # when it first started, in the cell's execution
-    inputs: dict[int, bytes] = field(default_factory=dict)
-    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(tokens ascending, input bytes [tokens, k], outputs [tokens, ...]); None where calls' rows disagree in
+        shape or dtype, which no comparison could match."""
+        if not self.calls:
+            return torch.empty(0, dtype=torch.int64), None, None
+        tokens = torch.cat([call[0] for call in self.calls])
+        last = {token: index for index, token in enumerate(tokens.tolist())}
+        order = sorted(last)
+        picked = torch.tensor([last[token] for token in order], dtype=torch.int64)
+        return (
+            torch.tensor(order, dtype=torch.int64),
+            stacked([c[1] for c in self.calls], picked),
+            stacked([c[2] for c in self.calls], picked),
+        )
+
+
+def stacked(parts: list[torch.Tensor], picked: torch.Tensor) -> torch.Tensor | None:
+    if len({(part.shape[1:], part.dtype) for part in parts}) != 1:
+        return None
+    return torch.cat(parts)[picked]
+
+
+def token_bytes(rows: list[torch.Tensor], count: int) -> torch.Tensor:
+    """Each token's rows of several tensors as one row of bytes [count, k] (their bit patterns, NaN-safe)."""
+    parts = [bit_pattern(row).reshape(count, -1).contiguous().view(torch.uint8) for row in rows]
+    return torch.cat(parts, dim=1) if parts else torch.empty((count, 0), dtype=torch.uint8)
 
 
 def per_token(value: Any, shape: torch.Size) -> list[torch.Tensor]:
@@ -60,13 +88,13 @@ def recording(built: BuiltModel) -> Iterator[dict[str, ModuleRecord]]:
         # A mask describes the layout, not a token: it differs between cells by design and is never an input here.
         inputs = per_token([*args, *(v for k, v in kwargs.items() if "mask" not in k)], slots.shape)
         outputs = per_token(output, slots.shape)
-        if not outputs:
+        if not outputs or not bool((slots >= 0).any()):
             return
-        record = records[path]
-        for b, position in (slots >= 0).nonzero().tolist():
-            token = int(slots[b, position])
-            record.inputs[token] = b"".join(bit_pattern(t[b, position]).numpy().tobytes() for t in inputs)
-            record.outputs[token] = outputs[0][b, position].detach().cpu().clone()
+        where = (slots >= 0).nonzero(as_tuple=True)
+        tokens = slots[where].cpu()
+        rows = [t[where[0].to(t.device), where[1].to(t.device)] for t in inputs]
+        output = outputs[0][where[0].to(outputs[0].device), where[1].to(outputs[0].device)]
+        records[path].calls.append((tokens, token_bytes(rows, len(tokens)), output.detach().cpu().clone()))
 
     for path, module in built.body.named_modules(prefix="model"):
         handles.append(module.register_forward_pre_hook(lambda m, a, path=path: started(path, m)))
@@ -86,8 +114,29 @@ def record_cell(built: BuiltModel, workload: TokenWorkload, cell: str, chunk_siz
     return records
 
 
-def bits_differ(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape != b.shape or a.dtype != b.dtype or first_bit_difference(a, b) is not None
+def compared(mine: ModuleRecord, theirs: ModuleRecord) -> tuple[int, bool, int, float]:
+    """(tokens both recorded, whether all their inputs are bitwise equal, outputs whose bits differ, max |diff|)."""
+    tokens_a, inputs_a, outputs_a = mine.rows()
+    tokens_b, inputs_b, outputs_b = theirs.rows()
+    common = sorted(set(tokens_a.tolist()) & set(tokens_b.tolist()))
+    if not common:
+        return 0, True, 0, 0.0
+    at_a = torch.searchsorted(tokens_a, torch.tensor(common))
+    at_b = torch.searchsorted(tokens_b, torch.tensor(common))
+    inputs_equal = inputs_a is not None and inputs_b is not None and torch.equal(inputs_a[at_a], inputs_b[at_b])
+    if (
+        outputs_a is None
+        or outputs_b is None
+        or outputs_a.shape[1:] != outputs_b.shape[1:]
+        or (outputs_a.dtype != outputs_b.dtype)
+    ):
+        return len(common), inputs_equal, len(common), math.inf
+    a, b = outputs_a[at_a], outputs_b[at_b]
+    differ = (bit_view(a) != bit_view(b)).reshape(len(common), -1).any(dim=1)
+    if not bool(differ.any()):
+        return len(common), inputs_equal, 0, 0.0
+    max_diff = (a[differ].double() - b[differ].double()).abs().max().item()
+    return len(common), inputs_equal, int(differ.sum()), max_diff
 
 
 def divergence(canonical: dict[str, ModuleRecord], other: dict[str, ModuleRecord], *, cell: str,
@@ -101,17 +150,11 @@ def divergence(canonical: dict[str, ModuleRecord], other: dict[str, ModuleRecord
         theirs = other.get(path)
         if theirs is None:
             continue
-        tokens = sorted(set(record.outputs) & set(theirs.outputs))
-        inputs_equal = all(record.inputs[t] == theirs.inputs[t] for t in tokens)
-        differing = [t for t in tokens if bits_differ(record.outputs[t], theirs.outputs[t])]
-        max_diff = max(
-            ((record.outputs[t].double() - theirs.outputs[t].double()).abs().max().item() for t in differing),
-            default=0.0,
-        )
+        tokens, inputs_equal, differing, max_diff = compared(record, theirs)
         rows.append({
             "cell": cell, "canonical_cell": canonical_cell, "module": path, "module_class": record.module_class,
-            "order": record.order, "depth": path.count("."), "tokens": len(tokens), "inputs_equal": inputs_equal,
-            "tokens_differing": len(differing), "max_abs_diff": max_diff, "first_diverging": False,
+            "order": record.order, "depth": path.count("."), "tokens": tokens, "inputs_equal": inputs_equal,
+            "tokens_differing": differing, "max_abs_diff": max_diff, "first_diverging": False,
         })  # fmt: skip
     table = pd.DataFrame(rows, columns=list(DIVERGENCE_COLUMNS))
     culprits = table[table.inputs_equal & (table.tokens_differing > 0)]
