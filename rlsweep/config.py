@@ -98,6 +98,7 @@ class ProfileConfig:
     required_nodes: dict[str, str] = field(default_factory=dict)  # op node -> backend id
     backend_module: str | None = None  # imported first: a module that registers backend_family (docs/extending.md)
     body_attention: str = "sdpa"  # a whole model's attention implementation: eager | sdpa (transformers' stock)
+    body_packing: str = "confined"  # confined | unconfined: BN/packed without its per-sequence mask (a control)
     tensors: list[str] = field(default_factory=lambda: ["logp", "lse"])  # what the backend computes: [logp] for one
     # that exports no lse (a fused head such as liger); every forward verdict is judged on each of these
     expected_red: list[ExpectedVerdictConfig] = field(default_factory=list)

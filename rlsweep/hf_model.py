@@ -32,6 +32,9 @@ VOLATILE_CONFIG_FIELDS = frozenset({
 SOURCES = ("config", "checkpoint")
 GEOMETRY = ("hidden_size", "vocab_size")  # the head's sizes, read from a whole model's config
 ATTENTION = ("eager", "sdpa")  # the stock attention implementations a profile may name
+# How the packed cell confines attention: to each sequence (as a correct trainer does), or not at all (an all-ones
+# mask with restarting position ids: the packing mistake, run as a negative control).
+PACKING = ("confined", "unconfined")
 NORM_JITTER = 0.1  # an RMSNorm weight is 1 + this * N(0, 1): a norm computed in the wrong dtype shows
 LOGIT_STD = 4.0  # an untied head's weight std is this / sqrt(hidden): logits of a realistic scale (std 3 - 5)
 
@@ -138,6 +141,7 @@ class BuiltModel:
     config_fingerprint: str
     weights_hash: str
     attention: str
+    packing: str = "confined"  # PACKING: how model_cells.packed confines attention
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -150,10 +154,14 @@ class BuiltModel:
         return self.model.get_decoder()
 
 
-def build_model(spec: WholeModelSpec, *, dtype: torch.dtype, attention: str, device: torch.device | str = "cpu"):
-    """The model of ``spec`` with ``attention`` ("eager" or "sdpa") in ``dtype`` on ``device``."""
+def build_model(spec: WholeModelSpec, *, dtype: torch.dtype, attention: str, device: torch.device | str = "cpu",
+                packing: str = "confined"):  # fmt: skip
+    """The model of ``spec`` with ``attention`` ("eager" or "sdpa") in ``dtype`` on ``device``; ``packing`` (one of
+    ``PACKING``) says how its packed cell confines attention."""
     if attention not in ATTENTION:
         raise ConfigError(f"attention={attention!r} is not one of {list(ATTENTION)}")
+    if packing not in PACKING:
+        raise ConfigError(f"packing={packing!r} is not one of {list(PACKING)}")
     transformers = transformers_module()
     if spec.source == "config":
         fields = dict(spec.hf_config)
@@ -173,7 +181,7 @@ def build_model(spec: WholeModelSpec, *, dtype: torch.dtype, attention: str, dev
         ).to(device)
     model.eval()
     model.requires_grad_(False)
-    return BuiltModel(spec.name, model, config_fingerprint(model.config), weights_hash(model), attention)
+    return BuiltModel(spec.name, model, config_fingerprint(model.config), weights_hash(model), attention, packing)
 
 
 def parameter_scale(name: str, shape: tuple[int, ...]) -> tuple[float, float]:

@@ -14,7 +14,7 @@ import inspect
 import itertools
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -232,10 +232,15 @@ def alone(built: BuiltModel, sequences: Sequence[Seq]) -> list[torch.Tensor]:
 
 
 def packed(built: BuiltModel, sequences: Sequence[Seq]) -> list[torch.Tensor]:
-    """One row, as a trainer runs varlen: position ids restart per sequence, attention confined to each."""
+    """One row, as a trainer runs varlen: position ids restart per sequence, attention confined to each. A body
+    built with ``packing="unconfined"`` makes the packing mistake instead: an all-ones mask, so each token attends to
+    every earlier token of the row, the other sequences' included (the negative control)."""
     lengths = [len(s) for s in sequences]
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    mask = confinement_mask(lengths, built.attention, built.head_weight.dtype)
+    if built.packing == "unconfined":
+        mask = torch.ones((1, sum(lengths)), dtype=torch.int64)
+    else:
+        mask = confinement_mask(lengths, built.attention, built.head_weight.dtype)
     slots = torch.cat([s.slots() for s in sequences])[None]
     row = body_hidden(built, slots, input_ids=torch.cat([s.ids for s in sequences])[None], position_ids=positions,
                       attention_mask=mask, use_cache=False)[0]  # fmt: skip
@@ -437,11 +442,12 @@ def trainer_vs_rollout(built: BuiltModel, workload: TokenWorkload, *, backend: s
 
 
 @contextmanager
-def watching_attention(built: BuiltModel) -> Iterator[list[str]]:
+def watching_attention(built: BuiltModel, call: Callable | None = None) -> Iterator[list[str]]:
     """The attention functions that actually ran while the block runs (``module.function``), whatever the config
     says was selected: transformers looks its attention up in ``ALL_ATTENTION_FUNCTIONS`` under the config's
     implementation on every call (falling back to the modeling module's ``eager_attention_forward``), so the entry is
-    wrapped for the block and put back after it."""
+    wrapped for the block and put back after it. ``call(function, module, args, kwargs)``, where given, makes each
+    call (to record its inputs and output: ``rlsweep.module_accuracy``)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     key = built.model.config._attn_implementation
@@ -452,6 +458,8 @@ def watching_attention(built: BuiltModel) -> Iterator[list[str]]:
 
     def watched(module: torch.nn.Module, *args, **kwargs):
         ran.append(f"{original.__module__}.{original.__qualname__}")
+        if call is not None:
+            return call(original, module, args, kwargs)
         return original(module, *args, **kwargs)
 
     local = ALL_ATTENTION_FUNCTIONS._local_mapping

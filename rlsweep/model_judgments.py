@@ -15,7 +15,8 @@ from rlsweep.verdicts import NO_CELL, REPORTED_ONLY, Judgment, Verdict
 
 BODY = "body"  # the tensor column of a whole model's body provenance rows (the head's have "")
 END_TO_END = "end_to_end"  # the tensor column of the reported end-to-end error row
-MODULE_OP_CLASSES = ("linear", "rmsnorm", "rotary")  # rlsweep.module_accuracy.op_class: one verdict each
+# rlsweep.module_accuracy's op classes: one verdict each
+MODULE_OP_CLASSES = ("linear", "rmsnorm", "rotary", "activation", "attention")
 # A profile's body_attention -> the attention function transformers must call, and the dispatcher op it must reach.
 ATTENTION_RAN = {
     "eager": ("eager_attention_forward", "aten::softmax"),

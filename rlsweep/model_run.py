@@ -48,7 +48,8 @@ FLOAT64_COPIES = 4  # the end-to-end reference holds the model in float64 (8 byt
 def build(spec: RunSpec) -> BuiltModel:
     """The profile's model on its device, its head's geometry checked against the model config's."""
     profile, model = spec.profile, spec.model
-    built = build_model(model.body, dtype=profile.dtype, attention=profile.body_attention, device=profile.device)
+    built = build_model(model.body, dtype=profile.dtype, attention=profile.body_attention, device=profile.device,
+                        packing=profile.body_packing)  # fmt: skip
     vocab, hidden = built.head_weight.shape
     if (vocab, hidden) != (model.vocab_size, model.hidden_size):
         raise ConfigError(

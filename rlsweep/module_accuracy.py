@@ -2,9 +2,12 @@
 op class (docs/contract.md#whole-model-modules).
 
 The inputs are the ones the module received in the run (recorded by a forward hook), so an error upstream never
-counts against a module downstream: each op is judged on its own arithmetic. Op classes so far: ``linear``
+counts against a module downstream: each op is judged on its own arithmetic. Op classes: ``linear``
 (``nn.Linear``), ``rmsnorm`` (any module whose class name ends in ``RMSNorm`` with a ``weight`` and a
-``variance_epsilon``), ``rotary`` (a ``*RotaryEmbedding``'s cos and sin, against the config's RoPE base).
+``variance_epsilon``), ``rotary`` (a ``*RotaryEmbedding``'s cos and sin, against the config's RoPE base),
+``activation`` (an activation module of torch or transformers, the MLP's ``act_fn``), and ``attention``: the
+attention function transformers called (its registry's, with the query, key, value, mask and scaling it was given),
+and every softmax the dispatcher ran inside it, on the scores it received.
 """
 
 from __future__ import annotations
@@ -16,15 +19,22 @@ from dataclasses import dataclass
 
 import pandas as pd
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels.rounding import FP32_UNIT_ROUNDOFF, gamma, half_ulp
 from rlsweep.hf_model import BuiltModel
-from rlsweep.model_cells import TRAINER_CELL, TokenWorkload, cell_hidden
+from rlsweep.model_cells import TRAINER_CELL, TokenWorkload, cell_hidden, watching_attention
 
 ACCURACY_COLUMNS = ("module", "module_class", "op_class", "elements", "max_abs_error", "bound_used", "passed")
 
 
+ACTIVATION_MODULES = ("torch.nn.modules.activation", "transformers.activations")  # where activation classes live
+SOFTMAX_OPS = ("aten._softmax.default", "aten._safe_softmax.default")  # what a softmax reaches at the dispatcher
+
+
 def op_class(module: torch.nn.Module) -> str | None:
+    """The op class a module of the body is judged as (a hooked module's; ``attention`` is judged at the attention
+    function instead: ``recording_calls``)."""
     name = type(module).__name__
     if isinstance(module, torch.nn.Linear):
         return "linear"
@@ -32,6 +42,8 @@ def op_class(module: torch.nn.Module) -> str | None:
         return "rmsnorm"
     if name.endswith("RotaryEmbedding"):
         return "rotary"
+    if type(module).__module__ in ACTIVATION_MODULES:
+        return "activation"
     return None
 
 
@@ -42,6 +54,21 @@ class Call:
     args: tuple
     kwargs: dict
     output: object
+    kind: str | None = None  # the op class; None: op_class(module)
+
+
+class SoftmaxRecorder(TorchDispatchMode):
+    """Every softmax the dispatcher runs inside the block: (input, dim, output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if str(func) in SOFTMAX_OPS:
+            self.calls.append((args[0].detach().clone(), int(args[1]), out.detach().clone()))
+        return out
 
 
 @contextmanager
@@ -52,8 +79,20 @@ def recording_calls(built: BuiltModel) -> Iterator[list[Call]]:
     def keep(path: str, module: torch.nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         detach = lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
         out = tuple(detach(o) for o in output) if isinstance(output, tuple) else detach(output)
-        kept = {k: detach(v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        kept = {k: detach(v) for k, v in kwargs.items() if isinstance(v, torch.Tensor | float | int)}
         calls.append(Call(path, module, tuple(detach(a) for a in args), kept, out))
+
+    paths = {module: path for path, module in built.body.named_modules(prefix="model")}
+
+    def attention(function, module: torch.nn.Module, args: tuple, kwargs: dict):
+        with SoftmaxRecorder() as softmaxes:
+            output = function(module, *args, **kwargs)
+        path = f"{paths.get(module, type(module).__name__)}.attention_function"
+        keep(path, module, args, kwargs | {"scaling": kwargs.get("scaling")}, output)
+        calls[-1].kind = "attention"
+        for x, dim, y in softmaxes.calls:
+            calls.append(Call(f"{path}.softmax", module, (x,), {"dim": dim}, y, kind="attention"))
+        return output
 
     handles = [
         module.register_forward_hook(lambda m, a, k, o, path=path: keep(path, m, a, k, o), with_kwargs=True)
@@ -61,7 +100,8 @@ def recording_calls(built: BuiltModel) -> Iterator[list[Call]]:
         if op_class(module) is not None
     ]
     try:
-        yield calls
+        with watching_attention(built, attention):
+            yield calls
     finally:
         for handle in handles:
             handle.remove()
@@ -104,10 +144,85 @@ def rotary_angles(position_ids: torch.Tensor, theta: float, dim: int) -> tuple[t
     return angles, (math.log(theta) + 8) * FP32_UNIT_ROUNDOFF * angles.abs()
 
 
+def activation_reference(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
+    """y = act(x) elementwise: the same module in float64, and the bound of its evaluation in fp32 (a few
+    transcendental and arithmetic ops: 16 u_fp32 of |x| + |y|), its result rounded once to y's dtype."""
+    y64 = module(x.double())
+    slack = 16 * FP32_UNIT_ROUNDOFF * (x.double().abs() + y64.abs())
+    return y64, slack + half_ulp(y64.abs() + slack, y.dtype)
+
+
+def softmax_reference(x: torch.Tensor, dim: int, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """p = softmax(x) along ``dim`` in float64 on the scores the softmax received, the bound of evaluating it in
+    fp32 (n exps of a few ulps, the sum of n terms, the division: gamma_{n+8} relative), its result rounded once to
+    p's dtype; and which rows count (a row with no finite score, all masked, has no softmax to judge)."""
+    x64 = x.double()
+    p64 = torch.softmax(x64, dim)
+    slack = gamma(x.shape[dim] + 8) * p64
+    rows = torch.isfinite(x64).any(dim, keepdim=True).expand_as(p64)
+    return p64, slack + half_ulp(p64 + slack, y.dtype), rows
+
+
+def attention_reference(module: torch.nn.Module, args: tuple, kwargs: dict, output: torch.Tensor):
+    """o = softmax(scaling q k^T + mask) v of one attention function call (query [B, Hq, L, D], key and value
+    [B, Hkv, S, D] repeated over the query heads they serve, the mask 4D bool (True: attend) or additive, or none:
+    causal), in float64 on the inputs it was given, against its output [B, L, Hq, D]; the bound and the rows that
+    count (a query row with no key to attend, padding, has no attention to judge).
+
+    The bound admits what attention kernels do in practice: the scores q k^T summed in fp32 and rounded to the input
+    dtype, and scaled in it (eager; a fused kernel keeps them in fp32); the softmax in fp32, its probabilities rounded
+    to the input dtype (before the matmul with v); p v summed in fp32; the output rounded once. A score off by e_j
+    moves p_j by at most p_j (exp(e_j + E) - 1), E = log sum_k p_k exp(e_k) (the normaliser moves by at most E)."""
+    query, key, value = (args[i] if len(args) > i else kwargs[name] for i, name in enumerate(("query", "key", "value")))
+    mask = args[3] if len(args) > 3 else kwargs.get("attention_mask")
+    scaling = kwargs.get("scaling")
+    scaling = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    groups = query.shape[1] // key.shape[1]
+    q64 = query.double()
+    k64, v64 = (t.double().repeat_interleave(groups, dim=1) for t in (key, value))
+    length, keys = query.shape[2], key.shape[2]
+    if mask is None:  # causal, the last query row seeing every key (a query block continuing a cache)
+        allowed = torch.ones(length, keys, dtype=torch.bool, device=query.device).tril(keys - length)
+        additive = torch.zeros((), dtype=torch.float64, device=query.device)
+    else:
+        mask = mask[..., :keys]
+        if mask.dtype == torch.bool:
+            allowed, additive = mask, torch.zeros((), dtype=torch.float64, device=query.device)
+        else:
+            allowed = mask > torch.finfo(mask.dtype).min / 2
+            additive = mask.double().masked_fill(~allowed, 0)
+    magnitude = abs(scaling) * (q64.abs() @ k64.abs().transpose(-1, -2))
+    scores = (scaling * (q64 @ k64.transpose(-1, -2)) + additive).masked_fill(~allowed, -math.inf)
+    p64 = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    dtype = query.dtype
+    carried = gamma(query.shape[-1] + 2) * magnitude
+    score_error = (carried + 3 * half_ulp(magnitude + carried, dtype)).masked_fill(~allowed, 0)
+    normaliser = torch.log((p64 * torch.exp(score_error)).sum(-1, keepdim=True).clamp(min=1))
+    moved = p64 * torch.expm1(score_error + normaliser) + gamma(keys + 8) * p64
+    rounded = moved + half_ulp(p64 + moved, dtype)
+    summed = rounded + gamma(keys + 1) * (p64 + rounded)
+    o64 = (p64 @ v64).transpose(1, 2)
+    carried_out = (summed @ v64.abs()).transpose(1, 2)
+    bound = carried_out + half_ulp(o64.abs() + carried_out, output.dtype)
+    rows = allowed.expand(p64.shape).any(-1)[..., None].expand((*p64.shape[:-1], value.shape[-1])).transpose(1, 2)
+    return o64, bound, rows
+
+
 def judge_call(built: BuiltModel, call: Call) -> tuple[str, int, float, float]:
     """(op class, elements, max |error|, the largest error / bound) of one recorded call."""
-    kind = op_class(call.module)
-    if kind in ("linear", "rmsnorm"):
+    kind = call.kind or op_class(call.module)
+    rows = None
+    if kind == "attention":
+        output = call.output[0] if isinstance(call.output, tuple) else call.output
+        if "dim" in call.kwargs:  # a softmax inside the attention function, on the scores it received
+            y64, bound, rows = softmax_reference(call.args[0], call.kwargs["dim"], output)
+        else:
+            y64, bound, rows = attention_reference(call.module, call.args, call.kwargs, output)
+        errors = (output.double() - y64).abs()
+    elif kind == "activation":
+        y64, bound = activation_reference(call.module, call.args[0], call.output)
+        errors = (call.output.double() - y64).abs()
+    elif kind in ("linear", "rmsnorm"):
         reference, argument = (linear_reference, "input") if kind == "linear" else (rmsnorm_reference, "hidden_states")
         x, y = (call.args or (call.kwargs.get(argument),))[0], call.output
         y64, bound = reference(call.module, x, y)
@@ -128,6 +243,8 @@ def judge_call(built: BuiltModel, call: Call) -> tuple[str, int, float, float]:
             slack = (angle_bound + 4 * FP32_UNIT_ROUNDOFF) * scaling
             bound.append((slack + half_ulp(exact.abs() + slack, got.dtype)).flatten())
         errors, bound = torch.cat(errors), torch.cat(bound)
+    if rows is not None:  # rows with nothing to judge (all masked) count as exact
+        errors = torch.where(rows, errors, torch.zeros_like(errors))
     used = errors / bound.clamp(min=torch.finfo(torch.float64).tiny)
     used = torch.where(errors == 0, torch.zeros_like(used), used)
     # A NaN or infinite output (or a NaN error) uses all of any bound: it never passes, and max() never drops it.

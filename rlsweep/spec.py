@@ -29,7 +29,7 @@ from rlsweep.contract import (
 )
 from rlsweep.errors import ConfigError
 from rlsweep.exitcodes import exit_site
-from rlsweep.hf_model import ATTENTION, GEOMETRY, WholeModelSpec
+from rlsweep.hf_model import ATTENTION, GEOMETRY, PACKING, WholeModelSpec
 from rlsweep.synthetic import check_seed
 from rlsweep.verdicts import DECLARABLE, FORWARD_TENSORS, GRADIENT_TENSORS, Judgment, Tensor
 
@@ -212,6 +212,7 @@ class ProfileSpec:
     required_nodes: Mapping[str, str] = field(default_factory=dict)  # op node -> backend id
     backend_module: str | None = None  # a module to import first: it registers backend_family (docs/extending.md)
     body_attention: str = "sdpa"  # a whole model's attention implementation (transformers' stock ones)
+    body_packing: str = "confined"  # how BN/packed confines attention (unconfined: the packing negative control)
     tensors: tuple[str, ...] = FORWARD_TENSORS  # the forward tensors the backend computes, each judged
     expected_red: tuple[ExpectedRed, ...] = ()
 
@@ -224,6 +225,7 @@ class ProfileSpec:
         choice(f"{where}determinism_scope", self.determinism_scope, DETERMINISM_SCOPES)
         choice(f"{where}merge_order", self.merge_order, MERGE_ORDERS)
         choice(f"{where}body_attention", self.body_attention, ATTENTION)
+        choice(f"{where}body_packing", self.body_packing, PACKING)
         unknown = sorted(set(self.required_nodes) - set(kernels.OP_NODES))
         if unknown or not self.required_nodes:
             raise ConfigError(

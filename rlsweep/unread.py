@@ -137,7 +137,8 @@ RULES = (
                 "model.weights.tensor", "model.padded_vocab_size", "model.tie_word_embeddings",
                 "workload.hidden_scale", "workload.sample_scales", "workload.probe_samples"), whole_model,
                "choose a head model (model=tiny, say) to sweep the head alone"),
-    UnreadRule(("profile.body_attention",), head_alone, "choose a whole model (model=qwen3_tiny, say)"),
+    UnreadRule(("profile.body_attention", "profile.body_packing"), head_alone,
+               "choose a whole model (model=qwen3_tiny, say)"),
     UnreadRule(("seed",), nothing_seeded, f"add a {NEEDLE!r} cell or grad=true, or choose a synthetic workload"),
 )  # fmt: skip
 CONDITIONAL_KEYS = tuple(key for rule in RULES for key in rule.keys)  # every key some choice leaves unread

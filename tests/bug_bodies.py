@@ -43,6 +43,31 @@ def attention_swapped() -> None:
     assert sdpa_attention_forward is not attention
 
 
+def softmax_in_bf16() -> None:
+    """Eager attention with its softmax computed in the scores' dtype (bf16): exp, sum and division each rounded to
+    bf16, where the stock function takes the softmax in fp32."""
+
+    def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        key, value = (modeling_qwen3.repeat_kv(t, module.num_key_value_groups) for t in (key, value))
+        scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+        if attention_mask is not None:
+            scores = scores + attention_mask[:, :, :, : key.shape[-2]]
+        weights = torch.exp(scores - scores.amax(-1, keepdim=True))
+        weights = weights / weights.sum(-1, keepdim=True)
+        return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+    modeling_qwen3.eager_attention_forward = attention
+
+
+def silu_in_bf16() -> None:
+    """The MLP's SiLU as x * sigmoid(x) with the sigmoid rounded to bf16 first (two roundings where one is due)."""
+
+    def forward(self, x):
+        return x * torch.sigmoid(x)
+
+    type(modeling_qwen3.ACT2FN["silu"]).forward = forward
+
+
 def mlp_batch_scaled() -> None:
     """An MLP whose output moves by 2^-6 only when the call holds more than one sequence."""
     stock = modeling_qwen3.Qwen3MLP.forward
@@ -54,5 +79,8 @@ def mlp_batch_scaled() -> None:
     modeling_qwen3.Qwen3MLP.forward = forward
 
 
-BUGS = {bug.__name__: bug for bug in (norms_in_bf16, rope_base_1e4, attention_swapped, mlp_batch_scaled)}
+BUGS = {
+    bug.__name__: bug
+    for bug in (norms_in_bf16, rope_base_1e4, attention_swapped, softmax_in_bf16, silu_in_bf16, mlp_batch_scaled)
+}
 BUGS[os.environ["RLSWEEP_BODY_BUG"]]()

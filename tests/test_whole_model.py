@@ -243,8 +243,14 @@ def norms_in_bf16(built):
 
 def test_every_module_is_within_its_op_class_bound_and_realistic_body_bugs_are_red(workload):
     stock = module_accuracy(build_model(spec(), dtype=torch.bfloat16, attention="eager"), workload)
-    assert set(stock.op_class) == {"linear", "rmsnorm", "rotary"} and len(stock) == 2 * 7 + 2 * 4 + 1 + 1
-    assert stock.passed.all() and (stock.bound_used > 0.5).all(), stock  # the bounds are tight, not vacuous
+    assert set(stock.op_class) == {"linear", "rmsnorm", "rotary", "activation", "attention"}
+    # Per layer 7 linears, 4 norms, SiLU, the attention function and the softmax in it; the final norm; RoPE.
+    assert len(stock) == 2 * (7 + 4 + 1 + 2) + 1 + 1, stock
+    elementwise = stock.op_class != "attention"
+    assert stock.passed.all() and (stock.bound_used[elementwise] > 0.5).all(), stock  # tight, not vacuous
+    # Attention's bound admits the worst case of bf16 scores and probabilities (docs/contract.md): measured at
+    # 0.04 - 0.16 of it, so a softmax computed in bf16 is caught by the body's provenance, not here.
+    assert (stock.bound_used[~elementwise] > 0.02).all(), stock
     assert (stock.elements > 0).all() and list(stock.columns) == list(ACCURACY_COLUMNS)
     buggy = build_model(spec(), dtype=torch.bfloat16, attention="eager")
     norms_in_bf16(buggy)
