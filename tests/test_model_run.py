@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -160,3 +161,49 @@ def test_a_whole_model_run_refuses_what_it_cannot_judge_in_one_line(tmp_path, ov
 def test_body_attention_on_a_head_alone_is_refused(tmp_path):
     done = run_rlsweep(tmp_path, "model=tiny", "profile=cpu_bf16", "profile.body_attention=eager")
     assert done.returncode == 1 and "applies to whole models only" in done.stderr, done.stderr[-2000:]
+
+
+def test_a_checkpoint_saved_from_the_config_built_model_loads_by_path_with_its_fingerprint_and_results(
+    tmp_path, eager_run
+):
+    """model=checkpoint reads a save_pretrained dir: the same config fingerprint, weight hash, tokens and bits as the
+    config-built model whose weights it holds."""
+    from omegaconf import OmegaConf
+    from rlsweep_fixtures import compose_run
+
+    from rlsweep.hf_model import WholeModelSpec, build_model
+
+    body = OmegaConf.to_container(compose_run(MODEL).model.body, resolve=True)
+    built = build_model(WholeModelSpec.parse({"name": "qwen3_tiny", **body}), dtype=torch.bfloat16, attention="eager")
+    checkpoint = tmp_path / "qwen3_tiny"
+    built.model.save_pretrained(checkpoint)
+    run_dir = tmp_path / "run"
+    done = run_rlsweep(run_dir, "model=checkpoint", f"model.body.path={checkpoint}", "profile=hf_eager_cpu_bf16", SHORT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ours, theirs = tables(run_dir), tables(eager_run)
+    for name in ("config_fingerprint", "weight_hash", "workload_hash"):
+        assert set(ours["checks"][name]) == set(theirs["checks"][name]), name
+    keys = ["cell", "sample_id", "position"]
+    ours_tokens, their_tokens = (t["tokens"].sort_values(keys).reset_index(drop=True) for t in (ours, theirs))
+    assert ours_tokens[keys].equals(their_tokens[keys])
+    for column in ("logp", "lse"):  # bit patterns, not values
+        assert (ours_tokens[column].to_numpy().view("u4") == their_tokens[column].to_numpy().view("u4")).all(), column
+    assert set(ours["checks"].model) == {"checkpoint"}
+
+
+def test_the_packing_control_is_red_in_every_cell_with_the_first_layers_attention_named(tmp_path):
+    """hf_packing_control_cpu_bf16 packs with an all-ones mask: attention reaches across sequences, so every other
+    cell differs from the trainer cell, as declared, and the divergence names layer 0's attention first."""
+    done = run_rlsweep(tmp_path / "control", MODEL, "profile=hf_packing_control_cpu_bf16", SMALL)
+    assert done.returncode == 0, done.stderr[-3000:]  # its reds are declared, strictly
+    found = tables(tmp_path / "control")
+    failed = red(found["checks"])
+    assert set(failed.judgment) == {"forward_invariance"} and set(failed.lhs_cell) == {"BN/pad_right", "decode"}
+    first = found["divergence"].query("first_diverging")
+    assert set(first.cell) == {"BN/pad_right", "decode"} and set(first.module) == {"model.layers.0.self_attn"}
+    # Only the first sequence of the row attends to nothing foreign: every later one moves.
+    assert (first.tokens_differing > 0).all() and (first.max_abs_diff > 0.01).all(), first
+    # Without the mistake (the same profile, attention confined) the same cells agree to the bit.
+    done = run_rlsweep(tmp_path / "confined", MODEL, "profile=hf_packing_control_cpu_bf16", SMALL,
+                       "profile.body_packing=confined", "profile.expected_red=[]")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
