@@ -189,12 +189,25 @@ def start_caller() -> tuple[subprocess.Popen, list[int], Path]:
     return caller, [int(pid) for pid in pids], Path(workdir)
 
 
-def gone(pid: int) -> bool:
-    """No such process, or one that has exited and is waiting to be reaped."""
+def started(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot), or None when there is no such process."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX"
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except FileNotFoundError:
+        return None
+
+
+def gone(pid: int, start: str | None = "") -> bool:
+    """No such process, one that has exited and is waiting to be reaped, or (``start`` given: ``started``'s) another
+    process that took the pid since: the suite's processes and threads run through the pid space (32768 here) in
+    minutes. A ``start`` of None says the process had already gone when it was read."""
+    if start is None:
+        return True
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except FileNotFoundError:
         return True
+    return fields[0] in "ZX" or (start != "" and fields[19] != start)
 
 
 def test_ctrl_c_stops_the_ranks_through_their_caller_without_a_traceback_from_them():
@@ -212,21 +225,22 @@ def test_ctrl_c_stops_the_ranks_through_their_caller_without_a_traceback_from_th
 def test_ranks_whose_caller_was_killed_stop_and_remove_their_rendezvous_dir():
     """A caller killed (SIGKILL, or SIGTERM's default) cannot stop its ranks: they lived on, orphaned, for ever."""
     caller, pids, workdir = start_caller()
+    starts = {pid: started(pid) for pid in pids}
     try:
         caller.kill()
         caller.wait(timeout=60)
         # A rank notices within POLL_SECONDS, then leaves the group and exits: seconds alone, but a loaded machine
         # (the suite's other workers) stretched that past 30 s.
         deadline = time.monotonic() + 120
-        while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
+        while not all(gone(pid, starts[pid]) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
-        left = [pid for pid in pids if not gone(pid)]
+        left = [pid for pid in pids if not gone(pid, starts[pid])]
     finally:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
-                if not gone(pid):
+                if not gone(pid, starts[pid]):
                     os.kill(pid, signal.SIGKILL)
-    assert not left and not workdir.exists(), (left, workdir)
+    assert not left and not workdir.exists(), (left, workdir, workdir.exists())
 
 
 # A caller whose rank 1 stops answering (SIGSTOP: as a rank stuck in a kernel) with a collective timeout of seconds.
