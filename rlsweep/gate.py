@@ -4,7 +4,7 @@ A sweep is judged against its own job list (Hydra's ``multirun.yaml``): every jo
 run (``rlsweep.manifest``), or the gate says INCOMPLETE, naming the job. ``tp_invariance`` compares every
 run, cell by cell, with the smallest-tp run of the same profile, model, weights, workload and seed that computed
 the cell; ``backend_parity`` compares the canonical cell of profiles that ran the same model, weights, workload,
-seed and tp. Reading from disk makes the gate work with any launcher.
+seed and tp (and, for a whole model, the same body). Reading from disk makes the gate work with any launcher.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ from rlsweep.spec import CANONICAL_CELL, ExpectedRed, declarations_of, tensors_o
 from rlsweep.tables import (
     CHECKS_SCHEMA,
     CHECKS_TABLE,
+    DIVERGENCE_SCHEMA,
+    DIVERGENCE_TABLE,
     RUN_COLUMNS,
     TOKENS_SCHEMA,
     TOKENS_TABLE,
@@ -64,7 +66,8 @@ REPORT_MARKDOWN = "report.md"
 REPORT_HTML = "report.html"
 HEATMAP_PNG = "dlogp_heatmap.png"
 HISTOGRAM_PNG = "dlogp_histogram.png"
-REPORT_FILES = (REPORT_MARKDOWN, REPORT_HTML, HEATMAP_PNG, HISTOGRAM_PNG)
+DIVERGENCE_PNG = "divergence_by_module.png"  # a whole model's modules in each moved cell
+REPORT_FILES = (REPORT_MARKDOWN, REPORT_HTML, HEATMAP_PNG, HISTOGRAM_PNG, DIVERGENCE_PNG)
 TP_MODE_ORDER = ("emulated", "distributed")  # the baseline of a tp group is emulated when both ran
 # Runs whose tokens can be compared token by token: the same inputs, by their bits (weight_hash, workload_hash:
 # a workload's name does not say its lengths, scale or replay file). A tp group adds the profile.
@@ -90,6 +93,7 @@ class RunTables:
     checks: pd.DataFrame
     inputs: dict[str, str]  # sha256 of each input file the run read, by input name (its manifest's ``inputs``)
     manifest_sha256: str = ""  # of its manifest as read (as ``manifest_digest``): a rerun's differs, run_id or not
+    divergence: pd.DataFrame | None = None  # a whole model's modules in its moved cells (empty for a head's run)
 
     @property
     def label(self) -> str:
@@ -156,7 +160,9 @@ def load_run(directory: Path) -> RunTables:
     )
     run = checks.iloc[0][RUN_COLUMNS.names].to_dict()
     inputs = dict(state.manifest["inputs"])
-    return RunTables(directory, run, config, contract, tokens, checks, inputs, canonical_sha256(state.manifest))
+    divergence = read_table(files[DIVERGENCE_TABLE], DIVERGENCE_SCHEMA).to_pandas()
+    return RunTables(directory, run, config, contract, tokens, checks, inputs, canonical_sha256(state.manifest),
+                     divergence)  # fmt: skip
 
 
 def run_metadata(path: Path, config_sha256: str, judged_by: set[str]) -> tuple[dict[str, Any], Contract]:
@@ -348,15 +354,26 @@ def parity_pairs(runs: Sequence[RunTables]) -> Iterable[tuple[RunTables, RunTabl
     """Every pair of runs of distinct profiles that ran the same tokens at the same tp and tp_mode: a profile may have
     several such runs (a sweep over ``profile.vocab_tile`` or ``layout.cells``), and each is paired.
 
+    Parity judges the head's backends on the same hidden states, so a whole model's runs pair only where their bodies
+    ran alike (``body_of``): two attention implementations give other hidden states, whose difference no head bound
+    covers (docs/whole_model.md).
+
     The pair's first run is the one its rows are charged to: the first by profile name, unless only the other computed
     active tokens of the canonical cell (``at_fault_first``)."""
     groups: dict[tuple, list[RunTables]] = {}
     for run in runs:
-        groups.setdefault((*sweep_group(run), run.run["tp"], run.run["tp_mode"]), []).append(run)
+        groups.setdefault((*sweep_group(run), run.run["tp"], run.run["tp_mode"], *body_of(run)), []).append(run)
     for members in groups.values():
         members.sort(key=lambda r: (r.run["profile"], baseline_order(r.run["tp"], r.run["tp_mode"], str(r.directory))))
         pairs = ((lhs, rhs) for lhs, rhs in combinations(members, 2) if lhs.run["profile"] != rhs.run["profile"])
         yield from (at_fault_first(lhs, rhs, CANONICAL_CELL) for lhs, rhs in pairs)
+
+
+def body_of(run: RunTables) -> tuple[str, str]:
+    """How a whole model's body ran (its profile's body_attention and body_packing); a head's runs share the defaults,
+    which nothing reads."""
+    profile = run.config.get("profile") or {}
+    return str(profile.get("body_attention", "sdpa")), str(profile.get("body_packing", "confined"))
 
 
 def computed_active(run: RunTables, cell: str) -> bool:
