@@ -195,6 +195,38 @@ def histograms(accuracy: pd.DataFrame, atol: Mapping[str, float]) -> Figure:
     return fig
 
 
+def divergence(table: pd.DataFrame) -> Figure:
+    """A whole model's divergence table (``rlsweep.divergence``): per profile (its smallest tp: the body runs whole at
+    every tp), the tokens each module's output moved in each cell that broke invariance, modules in the canonical
+    cell's execution order; a star marks each cell's first diverging module."""
+    smallest = table.groupby("profile", observed=True)["tp"].transform("min")
+    table = table[table["tp"] == smallest]
+    profiles = sorted(table["profile"].unique())
+    fig, axes = plt.subplots(
+        len(profiles), 1, figsize=(10, 2.6 * len(profiles) + 1.4), dpi=DPI, squeeze=False, layout="constrained"
+    )
+    for ax, profile in zip(axes[:, 0], profiles, strict=True):
+        rows = table[table["profile"] == profile]
+        order = rows.drop_duplicates("module").sort_values("order")
+        position = {module: i for i, module in enumerate(order["module"])}
+        for cell, moved in rows.groupby("cell", observed=True, sort=True):
+            moved = moved.sort_values("order")
+            x = moved["module"].map(position)
+            (line,) = ax.plot(x, moved["tokens_differing"], marker=".", linewidth=1, label=str(cell))
+            first = moved[moved["first_diverging"]]
+            ax.plot(first["module"].map(position), first["tokens_differing"], marker="*", markersize=12,
+                    linestyle="none", color=line.get_color())  # fmt: skip
+        step = max(1, len(order) // 40)
+        ticks = list(range(0, len(order), step))
+        ax.set_xticks(ticks, [order["module"].iloc[i].removeprefix("model.") for i in ticks], fontsize=6, rotation=90)
+        ax.set_ylabel("tokens differing", fontsize=8)
+        ax.set_title(f"{profile} (tp={int(rows['tp'].iloc[0])}): each module's output against the canonical cell's; "
+                     "* first diverging", fontsize=9)  # fmt: skip
+        ax.legend(fontsize=7, loc="upper left", ncols=3)
+    axes[-1, 0].set_xlabel("module, in execution order")
+    return fig
+
+
 def png_bytes(fig: Figure) -> bytes:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=DPI)

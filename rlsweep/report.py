@@ -31,6 +31,7 @@ from rlsweep.check import add_directory_argument, console_summary
 from rlsweep.discovery import holder, sweep_marks
 from rlsweep.errors import OutputDirError, TablesNotFoundError
 from rlsweep.gate import (
+    DIVERGENCE_PNG,
     HEATMAP_PNG,
     HISTOGRAM_PNG,
     REPORT_HTML,
@@ -54,7 +55,7 @@ from rlsweep.tables import (
 )
 from rlsweep.verdicts import REPORTED_ONLY, Judgment, as_expected
 
-PLOTS = (HEATMAP_PNG, HISTOGRAM_PNG)
+PLOTS = (HEATMAP_PNG, HISTOGRAM_PNG)  # every report's; a whole model's adds DIVERGENCE_PNG
 RED, RED_EXPECTED_RED, EXPECTED_RED = "RED", "RED (declared red, passed)", "expected red"
 FIRST_DIVERGENCE = "first (sample, pos)"
 RED_COLUMNS = ["status", "profile", "tp", "judgment", "tensor", "lhs_cell", "rhs_cell", "metric", "value", "threshold"]
@@ -187,6 +188,45 @@ def chain_table(checks: pd.DataFrame, root: Path) -> pd.DataFrame:
     table = entries.pivot(index="metric", columns="run", values="entry")
     table = table.loc[list(dict.fromkeys(entries["metric"])), list(dict.fromkeys(entries["run"]))]
     return table.fillna("").reset_index().rename_axis(columns=None)
+
+
+DIVERGENCE_SHOWN = ["profile", "tp", "cell", "module", "module_class", "tokens", "tokens_differing", "max_abs_diff"]
+ROLLOUT_METRICS = ["k1_kl", "k3_kl", "ppl_ratio", "max_abs_dlogp"]  # of the trainer_rollout rows, the ones shown
+
+
+def whole_model_sections(checks: pd.DataFrame, divergence: pd.DataFrame) -> list[Section]:
+    """A whole model's sections: verl's metrics of the trainer's cell against each rollout cell, and the first module
+    to diverge in each cell whose bits moved (with its plot). None for a sweep of heads alone."""
+    rollout = checks[checks["judgment"] == Judgment.TRAINER_ROLLOUT]
+    if not len(rollout) and not len(divergence):
+        return []
+    sections = []
+    if len(rollout):
+        shown = rollout[rollout["metric"].isin(ROLLOUT_METRICS)]
+        table = shown.pivot_table(index=["profile", "tp", "lhs_cell"], columns="metric", values="value",
+                                  aggfunc="first", observed=True).reset_index()  # fmt: skip
+        metrics = [metric for metric in ROLLOUT_METRICS if metric in table]
+        table = table.rename(columns={"lhs_cell": "rollout cell"})[["profile", "tp", "rollout cell", *metrics]]
+        table[metrics] = table[metrics].map("{:.4g}".format)
+        sections.append(Section(
+            "Whole model: trainer against rollout",
+            [f"verl's mismatch metrics of the trainer's cell ({CANONICAL_CELL}) against each rollout cell, per run "
+             "(reported, not judged: docs/whole_model.md#trainer-against-rollout). A bitwise invariant body gives "
+             "k1 = k3 = 0 and a perplexity ratio of exactly 1; every metric is in the checks table."],
+            table,
+        ))  # fmt: skip
+    first = divergence[divergence["first_diverging"]] if len(divergence) else divergence
+    if len(first):
+        sections.append(Section(
+            "Whole model: the first diverging module",
+            ["For each cell whose logp or lse bits moved against the canonical cell, the innermost module whose "
+             "inputs are bitwise equal in both cells and whose output is not (docs/whole_model.md#the-first-diverging-"
+             "op-rlsweepdivergencepy). The plot: tokens each module's output moved, modules in execution order, one "
+             "line per moved cell; the divergence table holds every module's row."],
+            first[DIVERGENCE_SHOWN].sort_values(["profile", "tp", "cell"]).reset_index(drop=True),
+            image=DIVERGENCE_PNG,
+        ))  # fmt: skip
+    return sections
 
 
 def build_sections(root: Path, result: GateResult, checks: pd.DataFrame) -> list[Section]:
@@ -367,7 +407,13 @@ def write_report(root: Path, out: Path, result: GateResult) -> list[Path]:
         heatmap = plots.heatmap(analysis.dlogp_vs_canonical(tokens), analysis.cell_outcomes(checks))
         images[HEATMAP_PNG] = plots.png_bytes(heatmap)
         images[HISTOGRAM_PNG] = plots.png_bytes(plots.histograms(analysis.dlogp_vs_reference(tokens), atol))
+    frames = [run.divergence for run in result.runs if run.divergence is not None and len(run.divergence)]
+    divergence = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=DIVERGENCE_SHOWN)
+    if len(divergence):
+        images[DIVERGENCE_PNG] = plots.png_bytes(plots.divergence(divergence))
     sections = build_sections(root, result, checks)
+    red_section = sections.pop()  # the red verdicts stay last
+    sections += [*whole_model_sections(checks, divergence), red_section]
     for section in sections:
         if section.image is not None and section.image not in images:
             section.paragraphs.append("No plot: no run computed a token (provenance stopped every kernel).")
