@@ -115,9 +115,20 @@ def token_workload(built: BuiltModel, seed: int, prompt_lens: Sequence[int], res
         raise ConfigError(
             f"workload: a sequence of {longest} tokens is longer than the model's max_position_embeddings={limit}"
         )
-    vocab = built.head_weight.shape[0]
-    prompts = synthetic_prompts(seed, vocab, prompt_lens)
-    return TokenWorkload(tuple(sample_responses(built, prompts, response_lens, seed)), tuple(prompt_lens))
+    key = (built.config_fingerprint, built.weights_hash, str(built.head_weight.device), seed, tuple(prompt_lens),
+           tuple(response_lens))  # fmt: skip
+    if key not in SAMPLED:
+        vocab = built.head_weight.shape[0]
+        prompts = synthetic_prompts(seed, vocab, prompt_lens)
+        SAMPLED.clear()  # one workload kept: a sweep's jobs in one process sample the same one
+        SAMPLED[key] = TokenWorkload(tuple(sample_responses(built, prompts, response_lens, seed)), tuple(prompt_lens))
+    return SAMPLED[key]
+
+
+# The last sampled workload, by (config fingerprint, weights hash, device, seed, lengths): the tokens are a function
+# of exactly these (``sample_responses``), and every profile of one dtype samples the same ones, so the jobs of a
+# sweep that Hydra runs in one process sample once.
+SAMPLED: dict[tuple, TokenWorkload] = {}
 
 
 REPLAY_TOKENS = ("input_ids", "seq_lens", "prompt_lens")  # a replayed token workload's tensors, all integer
