@@ -2,7 +2,10 @@
 what each found from its tables: per cell, the logprobs whose bits differ from the canonical cell's, and the first
 module that diverged (docs/whole_model.md).
 
-Usage: python benchmarks/whole_model_runs.py --out DIR [--model qwen3_1_7b] [--profiles p1 p2 ...] [-- overrides]
+Usage: python benchmarks/whole_model_runs.py --out DIR [--model qwen3_1_7b] [--profiles p1 p2 ...] [--traceback]
+       [-- overrides]
+
+``--traceback``: a run that fails prints its exception's traceback too (rlsweep itself prints one line).
 
 Each run writes its tables under DIR/<profile>; prints a table per profile and writes whole_model_runs.json
 to DIR. Exit 1 when a run ended in an error (exit code 1 or 3), else 0: a red run (2) is a finding, recorded.
@@ -21,6 +24,12 @@ from pathlib import Path
 import pandas as pd
 
 DEFAULT_PROFILES = ("hf_sdpa_cuda_bf16", "hf_eager_cuda_bf16", "hf_packing_control_cuda_bf16")
+# rlsweep with one change: an unexpected exception's traceback goes to stderr before its one line.
+WITH_TRACEBACK = (
+    "import runpy, sys, traceback; import rlsweep.exitcodes as codes; line = codes.one_line; "
+    "codes.one_line = lambda err: (traceback.print_exception(err), line(err))[1]; "
+    "sys.argv = ['rlsweep', *sys.argv[1:]]; runpy.run_module('rlsweep', run_name='__main__')"
+)
 MOVED = re.compile(r"(\d+) of (\d+) active tokens differ.*?max \|diff\| ([0-9.e+-]+|inf|nan)")
 
 
@@ -50,12 +59,14 @@ def main() -> int:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--model", default="qwen3_1_7b")
     parser.add_argument("--profiles", nargs="+", default=list(DEFAULT_PROFILES))
+    parser.add_argument("--traceback", action="store_true", help="a failed run prints its traceback")
     parser.add_argument("overrides", nargs="*", help="more overrides for every run (after --)")
     args = parser.parse_args()
     results, failed = [], False
     for profile in args.profiles:
         run_dir = args.out / profile
-        command = [sys.executable, "-m", "rlsweep", f"model={args.model}", f"profile={profile}",
+        entry = ["-c", WITH_TRACEBACK] if args.traceback else ["-m", "rlsweep"]
+        command = [sys.executable, *entry, f"model={args.model}", f"profile={profile}",
                    f"hydra.run.dir={run_dir}", *args.overrides]  # fmt: skip
         start = time.perf_counter()
         done = subprocess.run(command, capture_output=True, text=True)
@@ -68,6 +79,8 @@ def main() -> int:
         else:
             failed = True
             result["error"] = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+            if args.traceback:
+                print(done.stderr[-4000:])
         results.append(result)
         print(f"\n### {profile}: exit {done.returncode}, {seconds:.1f} s")
         if "cells" in result:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from rlsweep.errors import ConfigError
-from rlsweep.synthetic import SEED_LIMIT, check_seed, standard_normal
+from rlsweep.synthetic import SEED_LIMIT, check_seed, normal_matrix_bytes, standard_normal
 from rlsweep.tensor_files import bits_sha256
 
 # Fields transformers writes into a config of its own accord (save_pretrained, from_pretrained, the model's
@@ -36,7 +36,7 @@ ATTENTION = ("eager", "sdpa")  # the stock attention implementations a profile m
 # mask with restarting position ids: the packing mistake, run as a negative control).
 PACKING = ("confined", "unconfined")
 NORM_JITTER = 0.1  # an RMSNorm weight is 1 + this * N(0, 1): a norm computed in the wrong dtype shows
-LOGIT_STD = 4.0  # an untied head's weight std is this / sqrt(hidden): logits of a realistic scale (std 3 - 5)
+LOGIT_STD = 4.0  # the head's weight std (tied or not) is this / sqrt(hidden): logits of a realistic scale (std 3 - 5)
 
 
 @dataclass(frozen=True)
@@ -184,19 +184,19 @@ def build_model(spec: WholeModelSpec, *, dtype: torch.dtype, attention: str, dev
     return BuiltModel(spec.name, model, config_fingerprint(model.config), weights_hash(model), attention, packing)
 
 
-def parameter_scale(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
+def parameter_scale(name: str, shape: tuple[int, ...], *, head: bool = False) -> tuple[float, float]:
     """(mean, std) of a synthetic parameter: norms near 1, embeddings of unit std, a linear layer's weight of std
-    1/sqrt(fan in) (activations stay of order 1 through the layers), an untied head's scaled to logits of std
-    ``LOGIT_STD``, biases small."""
+    1/sqrt(fan in) (activations stay of order 1 through the layers), the head's (``head``: an embedding tied to it
+    too) scaled to logits of std ``LOGIT_STD``, biases small."""
     leaf = name.rsplit(".", 1)[-1]
     if "norm" in name and len(shape) == 1:
         return 1.0, NORM_JITTER
     if leaf == "bias":
         return 0.0, 0.02
+    if head or name.startswith("lm_head."):  # an embedding tied to the head is the head's weight
+        return 0.0, LOGIT_STD / math.sqrt(shape[-1])
     if "embed" in name:
         return 0.0, 1.0
-    if name.startswith("lm_head."):
-        return 0.0, LOGIT_STD / math.sqrt(shape[-1])
     return 0.0, 1.0 / math.sqrt(shape[-1])
 
 
@@ -209,15 +209,26 @@ def parameter_seed(seed: int, name: str) -> int:
 @torch.no_grad()
 def fill_synthetic(model: torch.nn.Module, seed: int) -> None:
     """Every parameter from counter-based normals of its name and ``seed`` (exact arithmetic: the same bits on
-    every device), rounded once to the parameter's dtype. Buffers (RoPE's inverse frequencies) stay as the model's
-    own construction computed them."""
+    every device), rounded once to the parameter's dtype, computed where the parameter lives, a block of rows at a
+    time (``FILL_BYTES`` of working memory: a 151936-row embedding at once would take tens of GB). Buffers (RoPE's
+    inverse frequencies) stay as the model's own construction computed them."""
+    output = model.get_output_embeddings()
+    head = None if output is None else output.weight
     for name, param in model.named_parameters():  # tied parameters are listed once
         shape = tuple(param.shape)
-        mean, std = parameter_scale(name, shape)
-        rows = torch.arange(math.prod(shape[:-1]) if len(shape) > 1 else 1, dtype=torch.int64)[:, None]
-        cols = torch.arange(shape[-1], dtype=torch.int64)[None, :]
-        values = mean + std * standard_normal(parameter_seed(seed, name), "weight", rows, cols)
-        param.copy_(values.reshape(shape).to(param.dtype))
+        mean, std = parameter_scale(name, shape, head=param is head)
+        width = shape[-1]
+        rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
+        flat = param.data.view(rows, width)
+        step = max(1, FILL_BYTES // normal_matrix_bytes(1, width))
+        cols = torch.arange(width, dtype=torch.int64, device=param.device)[None, :]
+        for lo in range(0, rows, step):
+            ids = torch.arange(lo, min(lo + step, rows), dtype=torch.int64, device=param.device)[:, None]
+            values = mean + std * standard_normal(parameter_seed(seed, name), "weight", ids, cols)
+            flat[lo : lo + step].copy_(values.to(param.dtype))
+
+
+FILL_BYTES = 1 << 30  # fill_synthetic's working memory per block of rows
 
 
 def config_fingerprint(config: Any) -> str:

@@ -138,7 +138,7 @@ def rotary_angles(position_ids: torch.Tensor, theta: float, dim: int) -> tuple[t
     halves rotate together), and the bound of computing them in fp32: the exponent's rounding moves base^e by
     ln(base) u relative, the power, the reciprocal and the product by a few u more ((ln(base) + 8) u_fp32
     relative)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=position_ids.device) / dim))
     angles = position_ids.double()[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
     return angles, (math.log(theta) + 8) * FP32_UNIT_ROUNDOFF * angles.abs()
