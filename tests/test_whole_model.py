@@ -380,3 +380,16 @@ def test_a_module_whose_output_is_not_finite_fails_its_accuracy_row(workload):
     table = module_accuracy(broken, workload).set_index("module")
     assert not table.passed["model.layers.1.mlp.down_proj"]
     assert table.bound_used["model.layers.1.mlp.down_proj"] == math.inf
+
+
+def test_an_embedding_tied_to_the_head_takes_the_heads_scale_so_logits_are_realistic():
+    """Tied at the embedding's unit std, Qwen3-1.7B's shape gave logits of std 45: every sampled token was the argmax,
+    every logp 0, and every cell agreed in logp whatever the body did."""
+    tied = build_model(spec(hf_config={"tie_word_embeddings": True}), dtype=torch.bfloat16, attention="eager")
+    weight = tied.head_weight
+    assert weight.data_ptr() == tied.model.get_input_embeddings().weight.data_ptr()  # one tensor
+    assert abs(weight.float().std() - 4 / 128**0.5) < 0.01
+    workload = token_workload(tied, 3, [5, 8], [12, 12])
+    logp, _ = cell_logprobs(tied, workload, "BN/packed", backend="aten")
+    judged = logp[torch.cat(workload.targets()) >= 0]
+    assert judged.mean() < -0.3 and (judged < -1e-3).float().mean() > 0.5, judged
