@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import pandas as pd
 import torch
@@ -100,6 +101,26 @@ def trainer_rollout_verdicts(
         verdicts += [Verdict(Judgment.TRAINER_ROLLOUT, "logp", *roles, cell, TRAINER_CELL, metric=name, value=value,
                              threshold=math.nan, passed=True, detail=about) for name, value in values]  # fmt: skip
     return verdicts
+
+
+def naming_first_modules(verdicts: Sequence[Verdict], divergence: pd.DataFrame | None) -> list[Verdict]:
+    """``verdicts`` with each failed forward_invariance row of a cell the divergence table covers naming, in its
+    detail, that cell's first diverging module: the row a user reads says where the bits first moved."""
+    if divergence is None or not len(divergence):
+        return list(verdicts)
+    first = divergence[divergence.first_diverging].set_index("cell")
+    named = []
+    for verdict in verdicts:
+        if verdict.judgment == Judgment.FORWARD_INVARIANCE and not verdict.passed and verdict.lhs_cell in first.index:
+            module = first.loc[verdict.lhs_cell]
+            where = (f"first diverging module {module.module} ({module.module_class}): {module.tokens_differing} of "
+                     f"{module.tokens} tokens, max |diff| {module.max_abs_diff:.3g} (divergence table)")  # fmt: skip
+            verdict = replace(verdict, detail=f"{verdict.detail}; {where}")
+        elif verdict.judgment == Judgment.FORWARD_INVARIANCE and not verdict.passed:
+            verdict = replace(verdict, detail=f"{verdict.detail}; the divergence table names no first diverging module "
+                                              "(no module with equal inputs and a differing output)")  # fmt: skip
+        named.append(verdict)
+    return named
 
 
 def rollout_cells(cells: Sequence[str] | Mapping[str, object]) -> list[str]:

@@ -41,6 +41,7 @@ from rlsweep.layouts import filler_rows_needed, plan_cells
 from rlsweep.manifest import RunIdentity
 from rlsweep.model import build_lm_head, check_weight_file, config_fingerprint
 from rlsweep.model_cells import replayed_workload
+from rlsweep.model_judgments import naming_first_modules
 from rlsweep.model_run import compute_whole_model
 from rlsweep.planned import plan_problems
 from rlsweep.records import checks_table, divergence_table, tokens_table
@@ -172,6 +173,8 @@ def execute(spec: RunSpec, location: RunLocation, identity: RunIdentity, *, stan
     standard = Standard.of(spec, computed.bound)
     golds = computed.golds or [CellGold(computed.reference, computed.workload, standard)] * len(computed.results)
     judged = judge_cells(computed.results, golds)
+    if spec.model.body is not None:
+        judged = naming_first_modules(judged, computed.divergence)
     if computed.gradient is not None:
         judged += judge_gradients(computed.results, computed.workload, computed.gradient, standard)
         judged += computed.weight_verdicts
