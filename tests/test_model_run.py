@@ -85,7 +85,8 @@ def test_stock_sdpa_is_red_in_the_moved_cells_and_names_its_first_attention(sdpa
     assert set(first.cell) == set(failed.lhs_cell)  # one first module per red cell
     assert (first.module == "model.layers.0.self_attn").all() and (first.tokens_differing > 0).all()
     # Each red row names its cell's first diverging module, as the divergence table does.
-    assert failed.detail.str.contains("first diverging module model.layers.0.self_attn (Qwen3Attention)").all()
+    named = "first diverging module model.layers.0.self_attn (Qwen3Attention)"
+    assert failed.detail.str.contains(named, regex=False).all()
     assert (divergence.canonical_cell == "BN/packed").all()
     rollout = checks[(checks.judgment == "trainer_rollout")].set_index(["lhs_cell", "metric"]).value
     assert rollout["decode", "k3_kl"] > 0 and rollout["decode", "ppl_ratio"] != 1.0
