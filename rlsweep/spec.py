@@ -554,13 +554,24 @@ def parse_run_spec(config: Mapping[str, Any], *, contract_file: str, profile_fil
         "run config",
         model=model,
         profile=profile_spec,
-        workload=build(WorkloadSpec, config["workload"], "workload"),
+        workload=workload_of(config["workload"], whole_model=body is not None),
         layout=layout_of(config),
         contract=contract_from_mapping(contract_document, source=f"contract={contract_file}", file_name=contract_file),
         sharding=sharding,
         expected_red=expected_reds(config.get("expected_red", ()), "expected_red"),
         config=config,
     )
+
+
+# What a whole model's run never reads of a workload (its hidden states come from the body, its targets are the
+# next tokens): the head-only keys' defaults, so a default workload's per-sample lists need not match new lengths.
+HEAD_ONLY_WORKLOAD = {"sample_scales": [], "probe_samples": []}
+
+
+def workload_of(workload: Mapping[str, Any], *, whole_model: bool) -> WorkloadSpec:
+    """The run's workload; a whole model's without the head-only per-sample lists (``HEAD_ONLY_WORKLOAD``), which
+    ``rlsweep.unread`` refuses when a user sets them."""
+    return build(WorkloadSpec, {**workload, **(HEAD_ONLY_WORKLOAD if whole_model else {})}, "workload")
 
 
 def model_geometry(config: Mapping[str, Any], body: WholeModelSpec | None) -> dict[str, int]:

@@ -227,3 +227,13 @@ def test_the_packing_control_is_red_in_every_cell_with_the_first_layers_attentio
     done = run_rlsweep(tmp_path / "confined", MODEL, "profile=hf_packing_control_cpu_bf16", SMALL,
                        "profile.body_packing=confined", "profile.expected_red=[]")  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_new_lengths_on_a_head_workload_need_none_of_its_head_only_lists(tmp_path):
+    """hunt's sample_scales and probe_samples (one per sample, for the head) were still checked against a whole model's
+    new seq_lens: the run was refused over keys it never reads and a user may not set."""
+    lengths = ("workload=hunt", "workload.seq_lens=[12,9]", "workload.prompt_lens=[3,4]")
+    done = run_rlsweep(tmp_path, MODEL, "profile=hf_eager_cpu_bf16", *lengths, SHORT, SMALL)
+    assert done.returncode == 0, done.stderr[-2000:]
+    tokens = tables(tmp_path)["tokens"]
+    assert set(tokens.sample_id) == {0, 1} and tokens.active.sum() == 3 * (9 + 5)  # response tokens, 3 cells
