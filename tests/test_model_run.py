@@ -23,9 +23,6 @@ from rlsweep.tables import DIVERGENCE_COLUMNS, RUN_COLUMNS
 TESTS = Path(__file__).parent
 MODEL = "model=qwen3_tiny"
 SMALL = "layout.cells=[BN/packed,BN/pad_right,decode]"  # a trainer's cell, a padded batch and a rollout
-# hf_eager_cpu_bf16 declares the reds measured on its default workload (hunt); the suite's workload (varlen4, 11 - 19
-# tokens) is green in every cell, so runs on it clear those declarations.
-SHORT = "profile.expected_red=[]"
 
 
 def tables(run_dir: Path) -> dict[str, pd.DataFrame]:
@@ -39,7 +36,7 @@ def red(checks: pd.DataFrame) -> pd.DataFrame:
 @pytest.fixture(scope="module")
 def eager_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("eager")
-    done = run_rlsweep(run_dir, MODEL, "profile=hf_eager_cpu_bf16", SHORT)
+    done = run_rlsweep(run_dir, MODEL, "profile=hf_eager_cpu_bf16")
     assert done.returncode == 0, done.stderr[-3000:]
     return run_dir
 
@@ -94,7 +91,7 @@ def test_stock_sdpa_is_red_in_the_moved_cells_and_names_its_first_attention(sdpa
 
 def test_a_whole_model_sweep_is_gated_across_tp_and_profiles(tmp_path):
     sweep = tmp_path / "sweep"
-    done = multirun(sweep, MODEL, SMALL, "profile=hf_eager_cpu_bf16,cpu_bf16", "tp=1,2", SHORT)
+    done = multirun(sweep, MODEL, SMALL, "profile=hf_eager_cpu_bf16,cpu_bf16", "tp=1,2")
     assert done.returncode == 2, done.stderr[-3000:]
     result = run_gate(sweep)
     assert not result.incomplete and len(result.runs) == 4
@@ -147,7 +144,7 @@ def test_a_checks_table_that_lost_a_whole_model_row_is_not_what_its_config_plans
 def test_realistic_body_bugs_are_red_by_a_margin(tmp_path, bug, profile, judgment, tensor):
     env = {"PYTHONPATH": str(TESTS), "RLSWEEP_BODY_BUG": bug}
     bodies = "profile.backend_module=bug_bodies"
-    done = run_rlsweep(tmp_path, MODEL, f"profile={profile}", bodies, SMALL, SHORT, env=env)
+    done = run_rlsweep(tmp_path, MODEL, f"profile={profile}", bodies, SMALL, env=env)
     assert done.returncode == 2, done.stderr[-3000:]
     failed = red(tables(tmp_path)["checks"])
     assert ((failed.judgment == judgment) & (failed.tensor == tensor)).any(), failed[["judgment", "tensor"]]
@@ -198,7 +195,7 @@ def test_a_checkpoint_saved_from_the_config_built_model_loads_by_path_with_its_f
     checkpoint = tmp_path / "qwen3_tiny"
     built.model.save_pretrained(checkpoint)
     run_dir = tmp_path / "run"
-    done = run_rlsweep(run_dir, "model=checkpoint", f"model.body.path={checkpoint}", "profile=hf_eager_cpu_bf16", SHORT)
+    done = run_rlsweep(run_dir, "model=checkpoint", f"model.body.path={checkpoint}", "profile=hf_eager_cpu_bf16")
     assert done.returncode == 0, done.stderr[-3000:]
     ours, theirs = tables(run_dir), tables(eager_run)
     for name in ("config_fingerprint", "weight_hash", "workload_hash"):
@@ -233,7 +230,7 @@ def test_new_lengths_on_a_head_workload_need_none_of_its_head_only_lists(tmp_pat
     """hunt's sample_scales and probe_samples (one per sample, for the head) were still checked against a whole model's
     new seq_lens: the run was refused over keys it never reads and a user may not set."""
     lengths = ("workload=hunt", "workload.seq_lens=[12,9]", "workload.prompt_lens=[3,4]")
-    done = run_rlsweep(tmp_path, MODEL, "profile=hf_eager_cpu_bf16", *lengths, SHORT, SMALL)
+    done = run_rlsweep(tmp_path, MODEL, "profile=hf_eager_cpu_bf16", *lengths, SMALL)
     assert done.returncode == 0, done.stderr[-2000:]
     tokens = tables(tmp_path)["tokens"]
     assert set(tokens.sample_id) == {0, 1} and tokens.active.sum() == 3 * (9 + 5)  # response tokens, 3 cells
