@@ -12,6 +12,7 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import pandas as pd
@@ -32,9 +33,11 @@ class ModuleRecord:
     order: int  # when it first started, in the cell's execution
     calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
+    @cached_property
     def rows(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(tokens ascending, input bytes [tokens, k], outputs [tokens, ...]); None where calls' rows disagree in
-        shape or dtype, which no comparison could match."""
+        shape or dtype, which no comparison could match. Read once recording has ended: the canonical cell's record
+        is compared with every moved cell's, and gathers its rows once."""
         if not self.calls:
             return torch.empty(0, dtype=torch.int64), None, None
         tokens = torch.cat([call[0] for call in self.calls])
@@ -116,8 +119,8 @@ def record_cell(built: BuiltModel, workload: TokenWorkload, cell: str, chunk_siz
 
 def compared(mine: ModuleRecord, theirs: ModuleRecord) -> tuple[int, bool, int, float]:
     """(tokens both recorded, whether all their inputs are bitwise equal, outputs whose bits differ, max |diff|)."""
-    tokens_a, inputs_a, outputs_a = mine.rows()
-    tokens_b, inputs_b, outputs_b = theirs.rows()
+    tokens_a, inputs_a, outputs_a = mine.rows
+    tokens_b, inputs_b, outputs_b = theirs.rows
     common = sorted(set(tokens_a.tolist()) & set(tokens_b.tolist()))
     if not common:
         return 0, True, 0, 0.0

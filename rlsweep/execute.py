@@ -12,9 +12,8 @@ import kernels
 from rlsweep.arithmetic import ArithmeticCollector, KernelArithmetic
 from rlsweep.errors import ConfigError
 from rlsweep.layouts import NONE, Call, Cell, largest_calls, restore_logical_order
-from rlsweep.model import GENERATION_ROWS
 from rlsweep.spec import RunSpec
-from rlsweep.synthetic import normal_matrix_bytes
+from rlsweep.synthetic import GENERATION_ROWS, normal_matrix_bytes
 from rlsweep.tensor_files import bits_sha256
 from rlsweep.workload import Workload, WorkloadShape
 

@@ -369,11 +369,11 @@ def parity_pairs(runs: Sequence[RunTables]) -> Iterable[tuple[RunTables, RunTabl
         yield from (at_fault_first(lhs, rhs, CANONICAL_CELL) for lhs, rhs in pairs)
 
 
-def body_of(run: RunTables) -> tuple[str, str]:
-    """How a whole model's body ran (its profile's body_attention and body_packing); a head's runs share the defaults,
-    which nothing reads."""
+def body_of(run: RunTables) -> tuple[Any, Any]:
+    """How a whole model's body ran: its profile's body_attention and body_packing, as the run's resolved config
+    holds them (a head's runs hold the schema's defaults, which nothing reads, so they group alike)."""
     profile = run.config.get("profile") or {}
-    return str(profile.get("body_attention", "sdpa")), str(profile.get("body_packing", "confined"))
+    return profile.get("body_attention"), profile.get("body_packing")
 
 
 def computed_active(run: RunTables, cell: str) -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from rlsweep.errors import ConfigError
-from rlsweep.synthetic import SEED_LIMIT, check_seed, normal_matrix_bytes, standard_normal
+from rlsweep.synthetic import GENERATION_ROWS, SEED_LIMIT, check_seed, normal_matrix
 from rlsweep.tensor_files import bits_sha256
 
 # Fields transformers writes into a config of its own accord (save_pretrained, from_pretrained, the model's
@@ -209,26 +209,20 @@ def parameter_seed(seed: int, name: str) -> int:
 @torch.no_grad()
 def fill_synthetic(model: torch.nn.Module, seed: int) -> None:
     """Every parameter from counter-based normals of its name and ``seed`` (exact arithmetic: the same bits on
-    every device), rounded once to the parameter's dtype, computed where the parameter lives, a block of rows at a
-    time (``FILL_BYTES`` of working memory: a 151936-row embedding at once would take tens of GB). Buffers (RoPE's
-    inverse frequencies) stay as the model's own construction computed them."""
+    every device), rounded once to the parameter's dtype, computed where the parameter lives in blocks of
+    ``GENERATION_ROWS`` rows (as the head's synthetic weight: a 151936-row embedding at once would take tens of GB).
+    Buffers (RoPE's inverse frequencies) stay as the model's own construction computed them."""
     output = model.get_output_embeddings()
     head = None if output is None else output.weight
     for name, param in model.named_parameters():  # tied parameters are listed once
         shape = tuple(param.shape)
         mean, std = parameter_scale(name, shape, head=param is head)
         width = shape[-1]
-        rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
-        flat = param.data.view(rows, width)
-        step = max(1, FILL_BYTES // normal_matrix_bytes(1, width))
-        cols = torch.arange(width, dtype=torch.int64, device=param.device)[None, :]
-        for lo in range(0, rows, step):
-            ids = torch.arange(lo, min(lo + step, rows), dtype=torch.int64, device=param.device)[:, None]
-            values = mean + std * standard_normal(parameter_seed(seed, name), "weight", ids, cols)
-            flat[lo : lo + step].copy_(values.to(param.dtype))
-
-
-FILL_BYTES = 1 << 30  # fill_synthetic's working memory per block of rows
+        flat = param.data.view(-1, width)
+        for block in torch.arange(len(flat), dtype=torch.int64, device=param.device).split(GENERATION_ROWS):
+            values = normal_matrix(parameter_seed(seed, name), "weight", block, width, scale=std, mean=mean,
+                                   dtype=param.dtype)  # fmt: skip
+            flat[int(block[0]) : int(block[-1]) + 1].copy_(values)
 
 
 def config_fingerprint(config: Any) -> str:

@@ -13,10 +13,8 @@ import torch
 import kernels
 from rlsweep.errors import ReplayInputError
 from rlsweep.spec import ModelSpec
-from rlsweep.synthetic import normal_matrix
+from rlsweep.synthetic import GENERATION_ROWS, normal_matrix
 from rlsweep.tensor_files import TensorFile, TensorHeader, bits_sha256, tensor_header
-
-GENERATION_ROWS = 8192  # synthetic weights are made in row blocks to bound memory on big heads
 
 
 @dataclass(frozen=True)

@@ -111,14 +111,19 @@ def naming_first_modules(verdicts: Sequence[Verdict], divergence: pd.DataFrame |
     first = divergence[divergence.first_diverging].set_index("cell")
     named = []
     for verdict in verdicts:
-        if verdict.judgment == Judgment.FORWARD_INVARIANCE and not verdict.passed and verdict.lhs_cell in first.index:
-            module = first.loc[verdict.lhs_cell]
-            where = (f"first diverging module {module.module} ({module.module_class}): {module.tokens_differing} of "
-                     f"{module.tokens} tokens, max |diff| {module.max_abs_diff:.3g} (divergence table)")  # fmt: skip
+        if verdict.judgment == Judgment.FORWARD_INVARIANCE and not verdict.passed:
+            if verdict.lhs_cell in first.index:
+                module = first.loc[verdict.lhs_cell]
+                where = (
+                    f"first diverging module {module.module} ({module.module_class}): {module.tokens_differing} of "
+                    f"{module.tokens} tokens, max |diff| {module.max_abs_diff:.3g} (divergence table)"
+                )
+            else:
+                where = (
+                    "the divergence table names no first diverging module (no module with equal inputs and a "
+                    "differing output)"
+                )
             verdict = replace(verdict, detail=f"{verdict.detail}; {where}")
-        elif verdict.judgment == Judgment.FORWARD_INVARIANCE and not verdict.passed:
-            verdict = replace(verdict, detail=f"{verdict.detail}; the divergence table names no first diverging module "
-                                              "(no module with equal inputs and a differing output)")  # fmt: skip
         named.append(verdict)
     return named
 

@@ -29,6 +29,7 @@ assert max(STREAMS.values()) < 1 << STREAM_BITS
 SEED_LIMIT = 1 << (64 - STREAM_BITS)
 MASK64 = (1 << 64) - 1
 UNIFORMS_PER_NORMAL = 4  # Irwin-Hall: the sum of 4 uniforms has std sqrt(4/12)
+GENERATION_ROWS = 8192  # synthetic weights are made in row blocks of this many rows, to bound memory
 NORMAL_WORKING_ARRAYS = 5  # normal_matrix holds up to 5 int64/float64 [R, C] temporaries at once (measured)
 
 
@@ -84,14 +85,23 @@ def standard_normal(seed: int, stream: str, rows: torch.Tensor, cols: torch.Tens
 
 
 def normal_matrix(
-    seed: int, stream: str, row_ids: torch.Tensor, width: int, *, scale: float | torch.Tensor, dtype: torch.dtype
+    seed: int,
+    stream: str,
+    row_ids: torch.Tensor,
+    width: int,
+    *,
+    scale: float | torch.Tensor,
+    dtype: torch.dtype,
+    mean: float = 0.0,
 ) -> torch.Tensor:
-    """[len(row_ids), width] normals times ``scale`` (a float, or float64 [len(row_ids)]: one per row) in ``dtype``,
-    on row_ids' device. Scaled in float64 before the one cast, so a row's scale s gives the bits a float s gives."""
+    """[len(row_ids), width] normals times ``scale`` (a float, or float64 [len(row_ids)]: one per row), plus ``mean``,
+    in ``dtype``, on row_ids' device. Scaled and shifted in float64 before the one cast, so a row's scale s gives the
+    bits a float s gives."""
     cols = torch.arange(width, dtype=torch.int64, device=row_ids.device)[None, :]
     if isinstance(scale, torch.Tensor):
         scale = scale.to(device=row_ids.device, dtype=torch.float64)[:, None]
-    return (standard_normal(seed, stream, row_ids.to(torch.int64)[:, None], cols) * scale).to(dtype)
+    values = standard_normal(seed, stream, row_ids.to(torch.int64)[:, None], cols) * scale
+    return (mean + values if mean else values).to(dtype)
 
 
 def normal_matrix_bytes(rows: int, width: int) -> int:
