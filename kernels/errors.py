@@ -53,3 +53,7 @@ class RankGroupError(RuntimeError):
     """The distributed ranks (``tp_mode="distributed"``) could not serve a call: a rank could not start, raised or
     died, or an earlier call closed the group. The message names the rank and its error (or why the group closed),
     and the rank's traceback is a note."""
+
+
+class NoBackwardError(RuntimeError):
+    """A gradient asked of a kernel that has no backward (the invariant body's: ``kernels.body``)."""

@@ -154,19 +154,8 @@ class TritonBackend:
         self, hidden: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype
     ) -> tuple[torch.Tensor, NodeProvenance]:
         """hidden @ weight.T in one fixed tiling, fp32 accumulation, rounded once to ``out_dtype``."""
-        kernels_module, interpreted = load_kernels(hidden.device)
-        rows, cols = hidden.shape[0], weight.shape[0]
-        logits = aligned_empty(rows, cols, out_dtype, hidden.device)
-        matmul = matmul_launcher(interpreted, hidden, weight)
-        if interpreted:
-            tiling = INTERPRETER_FORWARD_TILING
-        elif matmul is tma_matmul and rows <= DECODE_ROWS and hidden.dtype in DECODE_TILING:
-            tiling = DECODE_TILING[hidden.dtype]
-        else:
-            tiling = CUDA_TILING[hidden.dtype]
-        matmul(kernels_module, hidden, weight, logits, tiling, tiling.block_k, a_by_k=False, b_by_k=False,
-               accumulate=False)  # fmt: skip
-        return logits, observe("matmul", self.id, logits, interpreted=interpreted)
+        logits = invariant_matmul(hidden, weight, out_dtype)
+        return logits, observe("matmul", self.id, logits, interpreted=load_kernels(hidden.device)[1])
 
     def shard_gradients(
         self,
@@ -486,6 +475,26 @@ def tma_matmul(kernels_module, a, b, c, tiling, block_k, *, a_by_k, b_by_k, accu
         PROGRAMS=programs, A_BY_K=a_by_k, B_BY_K=b_by_k, ACCUMULATE=accumulate, STORE_BY_TMA=store_by_tma,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )  # fmt: skip
+
+
+def invariant_matmul(hidden: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
+                     interpreter_tiling: MatmulTiling = INTERPRETER_FORWARD_TILING) -> torch.Tensor:  # fmt: skip
+    """hidden [M, K] @ weight [N, K].T in one fixed tiling per device kind and dtype, fp32 accumulation, rounded once
+    to ``out_dtype``: the head's logits and every linear layer of the invariant body (``kernels.body``). Under the
+    interpreter ``interpreter_tiling`` (the block's shape changes no output's arithmetic there: each sums its
+    BLOCK_K steps in order; it must not follow M)."""
+    kernels_module, interpreted = load_kernels(hidden.device)
+    rows, cols = hidden.shape[0], weight.shape[0]
+    out = aligned_empty(rows, cols, out_dtype, hidden.device)
+    matmul = matmul_launcher(interpreted, hidden, weight)
+    if interpreted:
+        tiling = interpreter_tiling
+    elif matmul is tma_matmul and rows <= DECODE_ROWS and hidden.dtype in DECODE_TILING:
+        tiling = DECODE_TILING[hidden.dtype]
+    else:
+        tiling = CUDA_TILING[hidden.dtype]
+    matmul(kernels_module, hidden, weight, out, tiling, tiling.block_k, a_by_k=False, b_by_k=False, accumulate=False)
+    return out
 
 
 def matmul_launcher(interpreted: bool, hidden: torch.Tensor, weight: torch.Tensor) -> Callable[..., None]:

@@ -31,7 +31,10 @@ VOLATILE_CONFIG_FIELDS = frozenset({
 })  # fmt: skip
 SOURCES = ("config", "checkpoint")
 GEOMETRY = ("hidden_size", "vocab_size")  # the head's sizes, read from a whole model's config
-ATTENTION = ("eager", "sdpa")  # the stock attention implementations a profile may name
+# The attention a profile may name: transformers' stock implementations, or the invariant body
+# (``rlsweep.invariant_body``: every linear, norm, activation and attention of the body through ``kernels.body``).
+ATTENTION = ("eager", "sdpa", "invariant")
+STOCK_ATTENTION = ("eager", "sdpa")
 # How the packed cell confines attention: to each sequence (as a correct trainer does), or not at all (an all-ones
 # mask with restarting position ids: the packing mistake, run as a negative control).
 PACKING = ("confined", "unconfined")
@@ -156,13 +159,15 @@ class BuiltModel:
 
 def build_model(spec: WholeModelSpec, *, dtype: torch.dtype, attention: str, device: torch.device | str = "cpu",
                 packing: str = "confined"):  # fmt: skip
-    """The model of ``spec`` with ``attention`` ("eager" or "sdpa") in ``dtype`` on ``device``; ``packing`` (one of
-    ``PACKING``) says how its packed cell confines attention."""
+    """The model of ``spec`` with ``attention`` (one of ``ATTENTION``) in ``dtype`` on ``device``; ``packing`` (one of
+    ``PACKING``) says how its packed cell confines attention. The invariant body is built as the stock sdpa model,
+    then run through the invariant ops (``rlsweep.invariant_body.install``)."""
     if attention not in ATTENTION:
         raise ConfigError(f"attention={attention!r} is not one of {list(ATTENTION)}")
     if packing not in PACKING:
         raise ConfigError(f"packing={packing!r} is not one of {list(PACKING)}")
     transformers = transformers_module()
+    stock = attention if attention in STOCK_ATTENTION else "sdpa"
     if spec.source == "config":
         fields = dict(spec.hf_config)
         model_type = fields.pop("model_type")
@@ -171,14 +176,18 @@ def build_model(spec: WholeModelSpec, *, dtype: torch.dtype, attention: str, dev
         except ValueError as err:
             raise ConfigError(f"model.body.hf_config.model_type={model_type!r}: {err}".splitlines()[0]) from None
         with torch.device(device):  # its own init runs there (fast on a GPU), then every parameter is replaced
-            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=dtype)
+            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=stock, dtype=dtype)
         fill_synthetic(model, spec.seed)
     else:
         directory = checkpoint_dir(spec.path)
         spec.config_fields()  # readable, and no auto_map
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            directory, local_files_only=True, trust_remote_code=False, attn_implementation=attention, dtype=dtype
+            directory, local_files_only=True, trust_remote_code=False, attn_implementation=stock, dtype=dtype
         ).to(device)
+    if attention == "invariant":
+        from rlsweep.invariant_body import install
+
+        install(model)
     model.eval()
     model.requires_grad_(False)
     return BuiltModel(spec.name, model, config_fingerprint(model.config), weights_hash(model), attention, packing)

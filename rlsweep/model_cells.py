@@ -75,7 +75,10 @@ def sampling_model(built: BuiltModel) -> torch.nn.Module:
     same tokens and compare (``backend_parity``)."""
     import copy
 
+    from rlsweep.invariant_body import uninstall
+
     model = copy.deepcopy(built.model).to(torch.float32)
+    uninstall(model)
     model.set_attn_implementation("eager")
     return model
 
@@ -182,10 +185,10 @@ def replayed_workload(path: str, vocab: int, key: str = "workload.path") -> Toke
 def confinement_mask(lengths: Sequence[int], attention: str, dtype: torch.dtype) -> torch.Tensor:
     """[1, 1, T, T] block-causal mask of sequences packed in one row: each token sees its own sequence's earlier
     tokens only. Restarting position ids alone do not confine attention (docs/whole_model.md): the cell builds it.
-    sdpa takes it as bool (True: attend); eager adds it, so it is 0 / the dtype's lowest there."""
+    sdpa and the invariant body take it as bool (True: attend); eager adds it, so it is 0 / the dtype's lowest there."""
     segment = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
     allowed = torch.ones(len(segment), len(segment), dtype=torch.bool).tril() & (segment[:, None] == segment[None, :])
-    if attention == "sdpa":
+    if attention != "eager":
         return allowed[None, None]
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
 
@@ -371,13 +374,38 @@ def batch_chunked(built: BuiltModel, sequences: Sequence[Seq], chunk: int) -> li
 DEFAULT_CHUNK_SIZE = 5  # tokens per chunk of BN/chunked and B1/chunked, as layout.chunk_size defaults it
 
 
-@torch.no_grad()
+@contextmanager
+def as_trainer(built: BuiltModel) -> Iterator[None]:
+    """The block runs as a trainer's forward does: under ``torch.enable_grad()`` with the body's parameters requiring
+    gradients (an autograd graph is recorded; no backward is taken). Put back to inference after it."""
+    parameters = list(built.body.parameters())
+    try:
+        for parameter in parameters:
+            parameter.requires_grad_(True)
+        with torch.enable_grad():
+            yield
+    finally:
+        for parameter in parameters:
+            parameter.requires_grad_(False)
+
+
 def cell_hidden(
     built: BuiltModel, workload: TokenWorkload, cell: str, *, chunk_size: int = DEFAULT_CHUNK_SIZE
 ) -> list[torch.Tensor]:
     """Every sequence's final hidden states [L, H] in the layout cell named ``cell`` (the head's cell names,
     docs/whole_model.md#the-cells: one of ``rlsweep.spec.CELL_KINDS`` other than ``needle``, or
-    ``needle/M=<m>/pos=<p>``); ``chunk_size``: the tokens per chunk of the chunked cells."""
+    ``needle/M=<m>/pos=<p>``); ``chunk_size``: the tokens per chunk of the chunked cells. The trainer's cell
+    (``TRAINER_CELL``) runs as a trainer runs it (``as_trainer``), every other cell as an inference engine does, under
+    ``torch.no_grad()``."""
+    if cell == TRAINER_CELL:
+        with as_trainer(built):
+            return [hidden.detach() for hidden in layout_hidden(built, workload, cell, chunk_size)]
+    with torch.no_grad():
+        return layout_hidden(built, workload, cell, chunk_size)
+
+
+def layout_hidden(built: BuiltModel, workload: TokenWorkload, cell: str, chunk_size: int) -> list[torch.Tensor]:
+    """``cell_hidden`` in the grad mode of the caller."""
     starts = [0, *itertools.accumulate(workload.seq_lens)][:-1]
     sequences = [Seq(ids, start) for ids, start in zip(workload.sequences, starts, strict=True)]
     if not isinstance(chunk_size, int) or chunk_size < 1:

@@ -18,19 +18,29 @@ BODY = "body"  # the tensor column of a whole model's body provenance rows (the 
 END_TO_END = "end_to_end"  # the tensor column of the reported end-to-end error row
 # rlsweep.module_accuracy's op classes: one verdict each
 MODULE_OP_CLASSES = ("linear", "rmsnorm", "rotary", "activation", "attention")
-# A profile's body_attention -> the attention function transformers must call, and the dispatcher op it must reach.
+# A profile's body_attention -> the attention function transformers must call, and the ops (any one of them) it must
+# reach: a dispatcher op, or the invariant body's Triton kernel (compiled, or its interpreter form).
 ATTENTION_RAN = {
-    "eager": ("eager_attention_forward", "aten::softmax"),
-    "sdpa": ("sdpa_attention_forward", "aten::scaled_dot_product_attention"),
-}
-SDPA_OP = ATTENTION_RAN["sdpa"][1]
+    "eager": ("eager_attention_forward", ("aten::softmax",)),
+    "sdpa": ("sdpa_attention_forward", ("aten::scaled_dot_product_attention",)),
+    "invariant": ("invariant_attention", ("kernels.body_kernels.attention_kernel",
+                                          "kernels.body_kernels.attention_heads_kernel")),
+}  # fmt: skip
+SDPA_OP = ATTENTION_RAN["sdpa"][1][0]
+# The aten ops the invariant body may run: integer bookkeeping of its attention tiles (kernels.body.key_ranges,
+# attention_tiles) and of the rotary table's position check. Any other matmul or reduction the dispatcher saw is a
+# module the invariant ops did not replace (a stock linear's mm, an RMSNorm's mean, sdpa): red.
+INVARIANT_INDEX_OPS = frozenset({
+    "aten::sum", "aten::argmax", "aten::cummax", "aten::cumsum", "aten::scatter_reduce_", "aten::index_add_",
+    "aten::min", "aten::max",
+})  # fmt: skip
 
 
 def body_provenance_verdict(cell: str, declared: str, attention: Sequence[str], ops: Sequence[str]) -> Verdict:
     """What the body ran in ``cell`` against the profile's ``body_attention``: transformers may fall back to another
     implementation without a word, so the function it called (``model_cells.watching_attention``) and the ops the
     dispatcher saw decide, not the config."""
-    function, op = ATTENTION_RAN[declared]
+    function, needed = ATTENTION_RAN[declared]
     ran = list(dict.fromkeys(attention))
     problems = []
     if not ran:
@@ -38,10 +48,13 @@ def body_provenance_verdict(cell: str, declared: str, attention: Sequence[str], 
     other = [name for name in ran if name.rsplit(".", 1)[-1] != function]
     if other:
         problems.append(f"attention ran {other}, not {function}")
-    if op not in ops:
-        problems.append(f"{op} never ran")
+    if not any(op in ops for op in needed):
+        problems.append(f"{' or '.join(needed)} never ran")
     if declared != "sdpa" and SDPA_OP in ops:
         problems.append(f"{SDPA_OP} ran")
+    stock = [op for op in ops if op.startswith("aten::") and op not in INVARIANT_INDEX_OPS]
+    if declared == "invariant" and stock:
+        problems.append(f"the invariant body ran stock ops {stock} (a module its ops did not replace)")
     detail = f"body_attention={declared}: attention ran {ran or 'nothing'}; ops {', '.join(ops) or 'none'}"
     return Verdict(Judgment.PROVENANCE, BODY, "candidate", "body_attention", cell, NO_CELL, metric="mismatches",
                    value=float(len(problems)), threshold=0.0, passed=not problems,

@@ -36,6 +36,9 @@ def op_class(module: torch.nn.Module) -> str | None:
     """The op class a module of the body is judged as (a hooked module's; ``attention`` is judged at the attention
     function instead: ``recording_calls``)."""
     name = type(module).__name__
+    declared = getattr(module, "op_class", None)  # a module of rlsweep's own says what it is (InvariantSiLU)
+    if isinstance(declared, str):
+        return declared
     if isinstance(module, torch.nn.Linear):
         return "linear"
     if name.endswith("RMSNorm") and hasattr(module, "weight") and hasattr(module, "variance_epsilon"):
@@ -280,7 +283,10 @@ def end_to_end_error(built: BuiltModel, workload: TokenWorkload, logp: torch.Ten
     import copy
     from dataclasses import replace
 
+    from rlsweep.invariant_body import uninstall
+
     model64 = copy.deepcopy(built.model).to(torch.float64)
+    uninstall(model64)  # the truth is the stock forward's, in float64
     hidden = torch.cat(cell_hidden(replace(built, model=model64), workload, "B1/full"))
     logits = hidden @ model64.get_output_embeddings().weight.double().T
     targets = torch.cat(workload.targets()).to(hidden.device)

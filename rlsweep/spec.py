@@ -456,6 +456,11 @@ class RunSpec:
             )
         backend = kernels.BACKENDS[family]
         self.check_backend_reach(backend.capability)
+        if self.model.body is not None and self.grad and self.profile.body_attention == "invariant":
+            raise ConfigError(
+                f"grad=true with profile {self.profile.name!r}: the invariant body is forward-only (no backward); "
+                "leave grad unset"
+            )
         if self.model.body is not None and self.grad:
             raise ConfigError(
                 f"grad=true with model {self.model.name!r}, a whole model: its backward is not judged; leave grad "
