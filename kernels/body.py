@@ -205,11 +205,12 @@ def attention_tiles(first: torch.Tensor, end: torch.Tensor, block_m: int) -> tor
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor | None,
-              scaling: float) -> torch.Tensor:  # fmt: skip
+              scaling: float, tiling: AttentionTiling | None = None) -> torch.Tensor:  # fmt: skip
     """softmax(scaling q k^T, over the allowed keys) v: query [B, Hq, Q, D], key and value [B, Hkv, K, D] (Hq a
     multiple of Hkv: grouped-query heads share a KV head), ``allowed`` [B, 1 or Hq, Q, K] bool (the same for every
     head) or None (causal: the last query sees every key). Returns [B, Q, Hq, D] in query's dtype (rows with no key:
-    0)."""
+    0). ``tiling``: the device kind's own (CUDA_ATTENTION, INTERPRETER_ATTENTION) unless given; a caller that
+    chose it per call would give up the invariance."""
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         check_dtype(f"attention {name}", tensor)
         if tensor.dim() != 4:
@@ -234,9 +235,9 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allow
 
     def compute(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         module, interpreted = kernels_for(query.device)
-        tiling = INTERPRETER_ATTENTION if interpreted else CUDA_ATTENTION
+        chosen = tiling or (INTERPRETER_ATTENTION if interpreted else CUDA_ATTENTION)
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-        tiles = attention_tiles(first, end, tiling.block_m)
+        tiles = attention_tiles(first, end, chosen.block_m)
         key_end = end.to(torch.int32).contiguous()
         out = torch.zeros((batch, queries, heads, dim), dtype=query.dtype, device=query.device)
         common = (q, k, v, out, key_end, tiles, float(scaling) * math.log2(math.e),
@@ -246,11 +247,11 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allow
         if interpreted:
             launch_triton(module.attention_heads_kernel, (tiles.shape[0],), *common, GROUPS=heads // kv_heads,
                           HEADS=heads, BLOCK_H=power_of_two(heads), HEAD_DIM=dim, BLOCK_D=power_of_two(dim),
-                          BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, num_warps=1)  # fmt: skip
+                          BLOCK_M=chosen.block_m, BLOCK_N=chosen.block_n, num_warps=1)  # fmt: skip
         else:
             launch_triton(module.attention_kernel, (tiles.shape[0], heads), *common, GROUPS=heads // kv_heads,
-                          HEAD_DIM=dim, BLOCK_D=power_of_two(dim), BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n,
-                          num_warps=tiling.num_warps, num_stages=tiling.num_stages)  # fmt: skip
+                          HEAD_DIM=dim, BLOCK_D=power_of_two(dim), BLOCK_M=chosen.block_m, BLOCK_N=chosen.block_n,
+                          num_warps=chosen.num_warps, num_stages=chosen.num_stages)  # fmt: skip
         return out
 
     return forward_only(compute, query, key, value)

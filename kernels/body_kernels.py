@@ -94,7 +94,7 @@ def attention_kernel(
         in_tile = rn < last_key
         k = tl.load(k_base + rn[None, :] * stride_kn + rd[:, None], mask=in_tile[None, :] & (rd[:, None] < HEAD_DIM),
                     other=0.0)  # fmt: skip
-        scores = tl.dot(q, k) * scale_log2
+        scores = tl.dot(q, k, input_precision="ieee") * scale_log2
         scores = tl.where(rn[None, :] < key_end[:, None], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -103,7 +103,7 @@ def attention_kernel(
         total = total * rescale + tl.sum(p, axis=1)
         v = tl.load(v_base + rn[:, None] * stride_vn + rd[None, :], mask=in_tile[:, None] & (rd[None, :] < HEAD_DIM),
                     other=0.0)  # fmt: skip
-        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m = m_new
         start += BLOCK_N
     out = acc / total[:, None]
