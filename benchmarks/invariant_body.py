@@ -56,6 +56,7 @@ def main() -> int:
     parser.add_argument("--decode", type=sizes, default=(64, 2048))
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--profile", action="store_true", help="print each case's top kernels (torch.profiler)")
     args = parser.parse_args()
     import torch
 
@@ -79,10 +80,19 @@ def main() -> int:
     timed = clock(device)
     generator = torch.Generator().manual_seed(0)
 
-    def median(call) -> float:
+    def median(call, label: str = "") -> float:
         call()  # warm-up: compiles the kernels
         call()
-        return statistics.median(timed(call) for _ in range(args.repeats))
+        ms = statistics.median(timed(call) for _ in range(args.repeats))
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+                call()
+            print(f"--- {label}")
+            averages = profiler.key_averages()
+            print(averages.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+        return ms
 
     results = []
     count, length = args.packed
@@ -92,7 +102,7 @@ def main() -> int:
         mask = confinement_mask([length] * count, built.attention, torch.bfloat16).to(device)
         with torch.no_grad():
             ms = median(lambda b=built, m=mask: b.body(input_ids=ids, position_ids=positions, attention_mask=m,
-                                                       use_cache=False))  # fmt: skip
+                                                       use_cache=False), f"packed {name}")  # fmt: skip
         results.append({"case": f"packed prefill {count}x{length}", "body": name, "ms": ms})
         del mask
     batch, cached = args.decode
@@ -110,7 +120,7 @@ def main() -> int:
                 b.body(input_ids=token, attention_mask=m, position_ids=p, use_cache=True, **{k: c})
                 c.crop(-1)  # the next step decodes against the same cached tokens
 
-            ms = median(step)
+            ms = median(step, f"decode {name}")
         results.append({"case": f"decode step {batch}x{cached}", "body": name, "ms": ms})
         del cache
         if device.type == "cuda":

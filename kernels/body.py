@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from types import ModuleType
@@ -204,6 +205,44 @@ def attention_tiles(first: torch.Tensor, end: torch.Tensor, block_m: int) -> tor
     return torch.stack([b[heads], q[heads], size, starts[heads], last], dim=1).to(torch.int32).contiguous()
 
 
+@dataclass(frozen=True)
+class TilePlan:
+    """The query tiles of one mask (``attention_tiles``) and each row's key end, kept for the mask's next call."""
+
+    mask: weakref.ref | None
+    signature: tuple
+    tiles: torch.Tensor
+    key_end: torch.Tensor
+
+
+# The last mask's plan: every layer of one forward gets the same mask object, so its tiles are worked out once a
+# forward (finding them waits for the device twice), not once a layer.
+LAST_PLAN: list[TilePlan | None] = [None]
+
+
+def query_tiles(allowed: torch.Tensor | None, batch: int, queries: int, keys: int, device: torch.device,
+                block_m: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(tiles, key_end [B, Q] int32) of ``attention``'s mask (None: causal), the last mask's kept while it is alive
+    and unchanged (the same object, the same version)."""
+    version = None if allowed is None else (allowed._version, tuple(allowed.shape), allowed.data_ptr())
+    signature = (batch, queries, keys, str(device), block_m, version)
+    plan = LAST_PLAN[0]
+    if plan is not None and plan.signature == signature and (allowed is None or plan.mask() is allowed):
+        return plan.tiles, plan.key_end
+    if allowed is None:
+        rows = torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
+        rows = rows.expand(batch, queries, keys)
+    else:
+        rows = allowed[..., :keys]
+        if rows.shape[1] != 1 and not bool((rows == rows[:, :1]).all()):
+            raise KernelInputError("attention mask differs between heads; the invariant body takes one mask per row")
+        rows = rows[:, 0].expand(batch, queries, keys)
+    first, end = key_ranges(rows)
+    tiles, key_end = attention_tiles(first, end, block_m), end.to(torch.int32).contiguous()
+    LAST_PLAN[0] = TilePlan(None if allowed is None else weakref.ref(allowed), signature, tiles, key_end)
+    return tiles, key_end
+
+
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor | None,
               scaling: float, tiling: AttentionTiling | None = None) -> torch.Tensor:  # fmt: skip
     """softmax(scaling q k^T, over the allowed keys) v: query [B, Hq, Q, D], key and value [B, Hkv, K, D] (Hq a
@@ -221,24 +260,15 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allow
         raise ShapeMismatchError(
             f"attention: query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)} do not combine"
         )
-    if allowed is None:
-        allowed = torch.ones(queries, keys, dtype=torch.bool, device=query.device).tril(keys - queries)
-        allowed = allowed.expand(batch, queries, keys)
-    else:
-        if allowed.dtype != torch.bool or allowed.dim() != 4 or allowed.shape[2] != queries:
-            raise ShapeMismatchError(f"attention mask {tuple(allowed.shape)} {allowed.dtype}: bool [B, 1, Q, K]")
-        allowed = allowed[..., :keys]
-        if allowed.shape[1] != 1 and not bool((allowed == allowed[:, :1]).all()):
-            raise KernelInputError("attention mask differs between heads; the invariant body takes one mask per row")
-        allowed = allowed[:, 0].expand(batch, queries, keys)
-    first, end = key_ranges(allowed)
+    if allowed is not None and (allowed.dtype != torch.bool or allowed.dim() != 4 or allowed.shape[2] != queries):
+        raise ShapeMismatchError(f"attention mask {tuple(allowed.shape)} {allowed.dtype}: bool [B, 1, Q, K]")
+    _, interpreted = kernels_for(query.device)
+    chosen = tiling or (INTERPRETER_ATTENTION if interpreted else CUDA_ATTENTION)
+    tiles, key_end = query_tiles(allowed, batch, queries, keys, query.device, chosen.block_m)
 
     def compute(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        module, interpreted = kernels_for(query.device)
-        chosen = tiling or (INTERPRETER_ATTENTION if interpreted else CUDA_ATTENTION)
+        module, _ = kernels_for(query.device)
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-        tiles = attention_tiles(first, end, chosen.block_m)
-        key_end = end.to(torch.int32).contiguous()
         out = torch.zeros((batch, queries, heads, dim), dtype=query.dtype, device=query.device)
         common = (q, k, v, out, key_end, tiles, float(scaling) * math.log2(math.e),
                   q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
