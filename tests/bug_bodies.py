@@ -79,8 +79,32 @@ def mlp_batch_scaled() -> None:
     modeling_qwen3.Qwen3MLP.forward = forward
 
 
+def attention_split_from_length() -> None:
+    """The invariant body's attention with its key blocks sized from the call's key count (16 keys a block below 48
+    keys, else 64): a split that follows the sequence length, so one sequence alone and the packed row reduce a row's
+    keys in different blocks."""
+    from dataclasses import replace
+
+    from kernels import body
+    from rlsweep import invariant_body
+
+    def invariant_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        tiling = replace(body.INTERPRETER_ATTENTION, block_n=16 if key.shape[2] < 48 else 64)
+        return body.attention(query, key, value, attention_mask, scaling, tiling), None
+
+    invariant_body.invariant_attention = invariant_attention
+
+
+def linear_left_stock() -> None:
+    """An invariant body whose linear layers kept torch's own forward (a replacement that matched no module)."""
+    from rlsweep import invariant_body
+
+    invariant_body.linear_forward = torch.nn.Linear.forward
+
+
 BUGS = {
     bug.__name__: bug
-    for bug in (norms_in_bf16, rope_base_1e4, attention_swapped, softmax_in_bf16, silu_in_bf16, mlp_batch_scaled)
-}
+    for bug in (norms_in_bf16, rope_base_1e4, attention_swapped, softmax_in_bf16, silu_in_bf16, mlp_batch_scaled,
+                attention_split_from_length, linear_left_stock)
+}  # fmt: skip
 BUGS[os.environ["RLSWEEP_BODY_BUG"]]()

@@ -164,6 +164,7 @@ def test_realistic_body_bugs_are_red_by_a_margin(tmp_path, bug, profile, judgmen
         (("model.weights.seed=3",), "model.weights.seed=3 applies to the head alone"),
         (("workload.hidden_scale=2",), "workload.hidden_scale=2.0 applies to the head alone"),
         (("grad=true",), "its backward is not judged"),
+        (("grad=true", "profile.body_attention=invariant"), "the invariant body is forward-only"),
         (("model.hidden_size=64",), "model.hidden_size=64 is not the whole model's own hidden_size=128"),
         (("profile.body_attention=flash",), "body_attention"),
     ],
@@ -234,3 +235,50 @@ def test_new_lengths_on_a_head_workload_need_none_of_its_head_only_lists(tmp_pat
     assert done.returncode == 0, done.stderr[-2000:]
     tokens = tables(tmp_path)["tokens"]
     assert set(tokens.sample_id) == {0, 1} and tokens.active.sum() == 3 * (9 + 5)  # response tokens, 3 cells
+
+
+INVARIANT = ("profile=invariant_body_cpu_bf16", "layout=model")  # every model-level cell kind, interpreter-sized
+ROLLOUT_METRICS = {"max_abs_dlogp": 0.0, "k1_kl": 0.0, "k2_kl": 0.0, "k3_kl": 0.0, "ppl_ratio": 1.0}
+
+
+def test_the_invariant_body_is_bitwise_in_every_model_cell_and_its_trainer_matches_its_rollout_exactly(tmp_path):
+    done = run_rlsweep(tmp_path, MODEL, *INVARIANT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    checks = tables(tmp_path)["checks"]
+    invariance = checks[checks.judgment == "forward_invariance"]
+    moved = {"BN/pad_right", "BN/pad_left", "BN/permuted", "BN/chunked", "B1/full", "B1/chunked", "decode",
+             "needle/M=1/pos=0", "needle/M=3/pos=1", "needle/M=3/pos=3"}  # fmt: skip
+    assert set(invariance.lhs_cell) == moved and set(invariance.rhs_cell) == {"BN/packed"}
+    assert invariance.passed.all() and (invariance.value == 0).all(), invariance.detail.tolist()
+    rollout = checks[checks.judgment == "trainer_rollout"]
+    assert set(rollout.lhs_cell) == {"decode", "BN/pad_left", "B1/full"}
+    for metric, exact in ROLLOUT_METRICS.items():  # exactly, not within a tolerance: the bits agree
+        assert (rollout[rollout.metric == metric].value == exact).all(), rollout[rollout.metric == metric]
+    modules = checks[checks.judgment == "module_accuracy"]
+    assert {"linear", "rmsnorm", "rotary", "activation", "attention"} <= set(modules.tensor) and modules.passed.all()
+    body = checks[(checks.judgment == "provenance") & (checks.tensor == "body")]
+    assert len(body) == len(moved) + 1 and body.passed.all(), body.detail.tolist()
+
+
+@pytest.mark.parametrize(
+    ("bug", "workload", "judgment"),
+    [
+        # The variant moves a layer-0 attention output by one bf16 ulp in 1 of 445 tokens: hunt's lengths, not
+        # varlen4's, give it tokens enough to show (the workload and weights are fixed: the same every run).
+        ("attention_split_from_length", "workload=hunt", "forward_invariance"),
+        ("linear_left_stock", "workload=varlen4", "provenance"),
+    ],
+)
+def test_an_invariant_body_that_varies_with_the_call_or_left_a_stock_op_is_red(tmp_path, bug, workload, judgment):
+    env = {"PYTHONPATH": str(TESTS), "RLSWEEP_BODY_BUG": bug}
+    done = run_rlsweep(tmp_path, MODEL, "profile=invariant_body_cpu_bf16", "profile.backend_module=bug_bodies",
+                       "layout.cells=[BN/packed,B1/full]", workload, env=env)  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    failed = red(tables(tmp_path)["checks"])
+    assert set(failed.judgment) == {judgment}, failed[["judgment", "tensor", "detail"]]
+    if judgment == "forward_invariance":
+        first = tables(tmp_path)["divergence"].query("first_diverging")
+        assert set(first.module) == {"model.layers.0.self_attn"}, first
+        assert failed.detail.str.contains("first diverging module model.layers.0.self_attn").all()
+    else:
+        assert failed.detail.str.contains(r"ran stock ops \['aten::linear'\]").all(), failed.detail.tolist()
