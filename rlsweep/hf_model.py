@@ -35,6 +35,9 @@ GEOMETRY = ("hidden_size", "vocab_size")  # the head's sizes, read from a whole 
 # (``rlsweep.invariant_body``: every linear, norm, activation and attention of the body through ``kernels.body``).
 ATTENTION = ("eager", "sdpa", "invariant")
 STOCK_ATTENTION = ("eager", "sdpa")
+# Bodies that claim every module's output bitwise equal in every cell: their runs judge each cell's modules too
+# (``forward_invariance`` of tensor ``modules``), not the logprobs alone.
+BITWISE_BODIES = ("invariant",)
 # How the packed cell confines attention: to each sequence (as a correct trainer does), or not at all (an all-ones
 # mask with restarting position ids: the packing mistake, run as a negative control).
 PACKING = ("confined", "unconfined")

@@ -18,7 +18,7 @@ from rlsweep.arithmetic import kernel_verdicts, planned_kernel_rows
 from rlsweep.contract import ROUNDING_MODEL, Contract, Tolerance
 from rlsweep.execute import CellResult
 from rlsweep.mismatch import METRICS, ActiveTokens
-from rlsweep.model_judgments import MODULE_OP_CLASSES
+from rlsweep.model_judgments import MODULE_OP_CLASSES, MODULES
 from rlsweep.spec import CHAIN_ROLES, DECODE_CELL, DECODE_PARITY_ROLES, ExpectedRed, RunSpec
 from rlsweep.verdicts import (
     FORWARD_TENSORS,
@@ -154,7 +154,7 @@ def forward_invariance(
 ) -> list[Verdict]:
     """Bitwise on logp and lse; the decode cell is the rollout-vs-training parity of the contract's roles."""
     contract = standard.contract
-    roles = contract.roles_for(DECODE_PARITY_ROLES if result.cell.name == DECODE_CELL else Judgment.FORWARD_INVARIANCE)
+    roles = contract.roles_for(invariance_roles(result.cell.name))
     verdicts = []
     for tensor in standard.tensors:
         verdict = compare(
@@ -491,11 +491,13 @@ def planned_verdicts(
     logits: bool = False,
     tensors: Sequence[str] = FORWARD_TENSORS,
     whole_model: bool = False,
+    bitwise_body: bool = False,
 ) -> list[Verdict]:
     """The kernel verdicts a run over ``cells`` (canonical first) judges, as red placeholders without values.
     ``logits``: the run judges the matmul's stored logits (``rlsweep.arithmetic.judges_logits``); ``tensors``: the
     forward tensors its backend computes (``ProfileSpec.tensors``); ``whole_model``: a whole model's run, which also
-    judges its body's modules."""
+    judges its body's modules; ``bitwise_body``: its body claims every module bitwise (``hf_model.BITWISE_BODIES``),
+    so each cell's modules are judged against the canonical cell's."""
     canonical = cells[0]
 
     def row(judgment: str, tensor: str, roles: str, cell: str, rhs: str, metric: str = NOT_RUN) -> Verdict:
@@ -509,7 +511,7 @@ def planned_verdicts(
         row(
             Judgment.FORWARD_INVARIANCE,
             t,
-            DECODE_PARITY_ROLES if cell == DECODE_CELL else Judgment.FORWARD_INVARIANCE,
+            invariance_roles(cell),
             cell,
             canonical,
         )
@@ -535,7 +537,16 @@ def planned_verdicts(
     if whole_model:
         accuracy = Judgment.FORWARD_ACCURACY
         planned += [row(Judgment.MODULE_ACCURACY, kind, accuracy, canonical, canonical) for kind in MODULE_OP_CLASSES]
+        if bitwise_body:
+            planned += [
+                row(Judgment.FORWARD_INVARIANCE, MODULES, invariance_roles(cell), cell, canonical) for cell in cells[1:]
+            ]
     return planned
+
+
+def invariance_roles(cell: str) -> str:
+    """The contract roles of a cell's invariance verdicts: decode's own (``DECODE_PARITY_ROLES``), else forward's."""
+    return DECODE_PARITY_ROLES if cell == DECODE_CELL else Judgment.FORWARD_INVARIANCE
 
 
 def plan_key(verdict: Verdict) -> tuple[str, str, str, str]:

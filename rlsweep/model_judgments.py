@@ -15,6 +15,7 @@ from rlsweep.model_cells import ROLLOUT_CELLS, TRAINER_CELL, mismatch_values
 from rlsweep.verdicts import NO_CELL, REPORTED_ONLY, Judgment, Verdict
 
 BODY = "body"  # the tensor column of a whole model's body provenance rows (the head's have "")
+MODULES = "modules"  # the tensor column of a bitwise body's per-cell module invariance rows
 END_TO_END = "end_to_end"  # the tensor column of the reported end-to-end error row
 # rlsweep.module_accuracy's op classes: one verdict each
 MODULE_OP_CLASSES = ("linear", "rmsnorm", "rotary", "activation", "attention")
@@ -116,6 +117,28 @@ def trainer_rollout_verdicts(
     return verdicts
 
 
+def module_invariance_verdict(cell: str, table: pd.DataFrame, canonical: str, roles: tuple[str, str]) -> Verdict:
+    """``forward_invariance`` of tensor ``modules`` for a body that claims every module bitwise: in ``table`` (the
+    divergence rows of ``cell`` against ``canonical``), every module gave every token both cells computed the bits it
+    gave it in ``canonical``. No module recorded is red: nothing was compared."""
+    moved = table[table.tokens_differing > 0]
+    first = table[table.first_diverging]
+    if not len(table):
+        detail = f"no module of the body was recorded in both {cell} and {canonical}: nothing was compared"
+    elif not len(moved):
+        detail = f"all {len(table)} modules' outputs bitwise equal to {canonical}'s on the tokens both computed"
+    else:
+        named = first.iloc[0] if len(first) else moved.iloc[0]
+        detail = (
+            f"{len(moved)} of {len(table)} modules' outputs differ from {canonical}'s; first diverging module "
+            f"{named.module} ({named.module_class}): {named.tokens_differing} of {named.tokens} tokens, max |diff| "
+            f"{named.max_abs_diff:.3g} (divergence table)"
+        )
+    return Verdict(Judgment.FORWARD_INVARIANCE, MODULES, *roles, cell, canonical, metric="modules_differing",
+                   value=float(len(moved)), threshold=0.0, passed=bool(len(table)) and not len(moved),
+                   detail=detail)  # fmt: skip
+
+
 def naming_first_modules(verdicts: Sequence[Verdict], divergence: pd.DataFrame | None) -> list[Verdict]:
     """``verdicts`` with each failed forward_invariance row of a cell the divergence table covers naming, in its
     detail, that cell's first diverging module: the row a user reads says where the bits first moved."""
@@ -124,7 +147,7 @@ def naming_first_modules(verdicts: Sequence[Verdict], divergence: pd.DataFrame |
     first = divergence[divergence.first_diverging].set_index("cell")
     named = []
     for verdict in verdicts:
-        if verdict.judgment == Judgment.FORWARD_INVARIANCE and not verdict.passed:
+        if verdict.judgment == Judgment.FORWARD_INVARIANCE and not verdict.passed and verdict.tensor != MODULES:
             if verdict.lhs_cell in first.index:
                 module = first.loc[verdict.lhs_cell]
                 where = (

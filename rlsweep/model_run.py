@@ -21,7 +21,7 @@ from rlsweep.environment import available_memory
 from rlsweep.errors import ConfigError
 from rlsweep.execute import CellResult, Filler, run_cell, run_reference
 from rlsweep.hf_model import BuiltModel, build_model
-from rlsweep.judgments import CellGold, Standard, provenance_verdict, weight_pin_verdict
+from rlsweep.judgments import CellGold, Standard, invariance_roles, provenance_verdict, weight_pin_verdict
 from rlsweep.layouts import Cell, logical_call
 from rlsweep.model_cells import (
     TokenWorkload,
@@ -34,10 +34,12 @@ from rlsweep.model_judgments import (
     body_provenance_verdict,
     end_to_end_verdict,
     module_accuracy_verdicts,
+    module_invariance_verdict,
     trainer_rollout_verdicts,
 )
 from rlsweep.module_accuracy import end_to_end_error, module_accuracy
 from rlsweep.spec import DECODE_PARITY_ROLES, EXECUTION_DTYPES, RunSpec
+from rlsweep.tables import DIVERGENCE_COLUMNS
 from rlsweep.verdicts import Judgment, Verdict
 from rlsweep.workload import Workload
 
@@ -140,14 +142,23 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
     verdicts += trainer_rollout_verdicts(logp, active, gold.workload.sample_ids, contract.clip_interval,
                                          contract.roles_for(DECODE_PARITY_ROLES))  # fmt: skip
     moved = [result.cell.name for result in computed.results[1:] if differs(result, canonical)]
-    if moved:
-        log.info("recording every module for the divergence of %s", ", ".join(moved))
+    # A body that claims every module bitwise has every cell's modules compared, moved or not.
+    compared = [result.cell.name for result in computed.results[1:]] if spec.bitwise_body else moved
+    if compared:
+        log.info("recording every module for the divergence of %s", ", ".join(compared))
         chunk = spec.layout.chunk_size
         recorded = record_cell(built, tokens, cells[0], chunk)
         computed.divergence = pd.concat(
             [divergence(recorded, record_cell(built, tokens, name, chunk), cell=name, canonical_cell=cells[0])
-             for name in moved], ignore_index=True,
+             for name in compared], ignore_index=True,
         )  # fmt: skip
+    if spec.bitwise_body:
+        table = (
+            computed.divergence if computed.divergence is not None else pd.DataFrame(columns=list(DIVERGENCE_COLUMNS))
+        )
+        verdicts += [module_invariance_verdict(name, table[table.cell == name], cells[0],
+                                               contract.roles_for(invariance_roles(name)))
+                     for name in cells[1:]]  # fmt: skip
     return computed
 
 

@@ -18,6 +18,7 @@ import pandas as pd
 import kernels
 from rlsweep.contract import Contract
 from rlsweep.errors import ConfigError
+from rlsweep.hf_model import BITWISE_BODIES
 from rlsweep.judgments import apply_expected, declaration_rows, plan_key, planned_verdicts
 from rlsweep.mismatch import METRICS
 from rlsweep.model_judgments import BODY, reported_keys
@@ -66,7 +67,7 @@ def plan_problems(
     whole = whole_model(config)
     plans = [
         Counter(plan_key(v) for v in planned_verdicts(cells, contract, grad=grad, logits=logits, tensors=tensors,
-                                                      whole_model=whole))
+                                                      whole_model=whole, bitwise_body=bitwise_body(config)))
         for logits in logits_options(config, contract)
     ]  # fmt: skip
     planned_judgments = {key[0] for plan in plans for key in plan}
@@ -131,6 +132,11 @@ def plan_problems(
 def whole_model(config: Mapping[str, Any]) -> bool:
     """Whether a resolved run config sweeps a whole model (its model has a body)."""
     return config["model"].get("body") is not None
+
+
+def bitwise_body(config: Mapping[str, Any]) -> bool:
+    """Whether a resolved run config's whole model runs a body that claims every module bitwise (BITWISE_BODIES)."""
+    return whole_model(config) and config["profile"].get("body_attention") in BITWISE_BODIES
 
 
 def declaration_key(verdict: Verdict) -> tuple[str, str, bool, bool]:

@@ -409,6 +409,9 @@ def write_report(root: Path, out: Path, result: GateResult) -> list[Path]:
         images[HISTOGRAM_PNG] = plots.png_bytes(plots.histograms(analysis.dlogp_vs_reference(tokens), atol))
     frames = [run.divergence for run in result.runs if run.divergence is not None and len(run.divergence)]
     divergence = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=DIVERGENCE_SHOWN)
+    if len(divergence):  # the cells whose bits moved (a bitwise body's table has every cell's modules, most at 0)
+        moved = divergence.groupby(["profile", "tp", "cell"], observed=True)["tokens_differing"].transform("sum")
+        divergence = divergence[moved > 0]
     if len(divergence):
         images[DIVERGENCE_PNG] = plots.png_bytes(plots.divergence(divergence))
     sections = build_sections(root, result, checks)

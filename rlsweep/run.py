@@ -181,7 +181,8 @@ def execute(spec: RunSpec, location: RunLocation, identity: RunIdentity, *, stan
     verdicts += judged
     if computed.stopped:
         planned = planned_verdicts(spec.layout.cell_names, contract, grad=spec.grad, logits=judges_logits(spec),
-                                   tensors=profile.tensors, whole_model=spec.model.body is not None)  # fmt: skip
+                                   tensors=profile.tensors, whole_model=spec.model.body is not None,
+                                   bitwise_body=spec.bitwise_body)  # fmt: skip
         verdicts += not_run_verdicts(judged, planned, stopped_by_provenance(computed.stopped))
     verdicts = apply_expected(verdicts, spec.expectations)
     verdicts += declaration_rows(verdicts, spec.declarations, profile.name, spec.tp, standalone=standalone)

@@ -29,7 +29,7 @@ from rlsweep.contract import (
 )
 from rlsweep.errors import ConfigError
 from rlsweep.exitcodes import exit_site
-from rlsweep.hf_model import ATTENTION, GEOMETRY, PACKING, WholeModelSpec
+from rlsweep.hf_model import ATTENTION, BITWISE_BODIES, GEOMETRY, PACKING, WholeModelSpec
 from rlsweep.synthetic import check_seed
 from rlsweep.verdicts import DECLARABLE, FORWARD_TENSORS, GRADIENT_TENSORS, Judgment, Tensor
 
@@ -493,6 +493,11 @@ class RunSpec:
     @property
     def tp(self) -> int:
         return self.sharding.world_size
+
+    @property
+    def bitwise_body(self) -> bool:
+        """A whole model whose body claims every module bitwise in every cell (``hf_model.BITWISE_BODIES``)."""
+        return self.model.body is not None and self.profile.body_attention in BITWISE_BODIES
 
     def contract_needs(self) -> tuple[list[RowKey], list[str], list[str]]:
         """(tolerance rows, role groups, chain dtypes) that this run and the sweeps it joins will judge."""

@@ -249,15 +249,22 @@ def test_the_invariant_body_is_bitwise_in_every_model_cell_and_its_trainer_match
     moved = {"BN/pad_right", "BN/pad_left", "BN/permuted", "BN/chunked", "B1/full", "B1/chunked", "decode",
              "needle/M=1/pos=0", "needle/M=3/pos=1", "needle/M=3/pos=3"}  # fmt: skip
     assert set(invariance.lhs_cell) == moved and set(invariance.rhs_cell) == {"BN/packed"}
+    assert set(invariance.tensor) == {"logp", "lse", "modules"} and len(invariance) == 3 * len(moved)
     assert invariance.passed.all() and (invariance.value == 0).all(), invariance.detail.tolist()
+    modules = tables(tmp_path)["divergence"]  # every cell's modules compared, none moved
+    assert set(modules.cell) == moved and (modules.tokens_differing == 0).all() and (modules.tokens > 0).all()
     rollout = checks[checks.judgment == "trainer_rollout"]
     assert set(rollout.lhs_cell) == {"decode", "BN/pad_left", "B1/full"}
     for metric, exact in ROLLOUT_METRICS.items():  # exactly, not within a tolerance: the bits agree
         assert (rollout[rollout.metric == metric].value == exact).all(), rollout[rollout.metric == metric]
-    modules = checks[checks.judgment == "module_accuracy"]
-    assert {"linear", "rmsnorm", "rotary", "activation", "attention"} <= set(modules.tensor) and modules.passed.all()
+    accuracy = checks[checks.judgment == "module_accuracy"]
+    assert {"linear", "rmsnorm", "rotary", "activation", "attention"} <= set(accuracy.tensor) and accuracy.passed.all()
     body = checks[(checks.judgment == "provenance") & (checks.tensor == "body")]
     assert len(body) == len(moved) + 1 and body.passed.all(), body.detail.tolist()
+    run = load_run(tmp_path)  # the modules' rows are planned: a table that lost one is not what the config plans
+    assert plan_problems(run.config, run.contract, run.checks, standalone=True) == []
+    dropped = run.checks.drop(run.checks.index[run.checks.tensor == "modules"][:1])
+    assert plan_problems(run.config, run.contract, dropped, standalone=True)
 
 
 @pytest.mark.parametrize(
@@ -280,5 +287,6 @@ def test_an_invariant_body_that_varies_with_the_call_or_left_a_stock_op_is_red(t
         first = tables(tmp_path)["divergence"].query("first_diverging")
         assert set(first.module) == {"model.layers.0.self_attn"}, first
         assert failed.detail.str.contains("first diverging module model.layers.0.self_attn").all()
+        assert set(failed.tensor) == {"logp", "lse", "modules"}  # the modules' row names it as well
     else:
         assert failed.detail.str.contains(r"ran stock ops \['aten::linear'\]").all(), failed.detail.tolist()
