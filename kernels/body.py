@@ -108,8 +108,8 @@ def check_dtype(name: str, tensor: torch.Tensor) -> None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K].T (+ bias) through ``invariant_matmul``, in x's dtype; the bias is added after
-    the product is rounded, one elementwise add."""
+    """x [..., K] @ weight [N, K].T (+ bias) through ``invariant_matmul``, in x's dtype, rounded once: with a bias
+    the product stays fp32, the bias is added there (one elementwise fp32 add) and the sum is rounded."""
     check_dtype("linear input", x)
     if weight.dtype != x.dtype or x.shape[-1] != weight.shape[-1]:
         raise ShapeMismatchError(
@@ -119,8 +119,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     def compute(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         tiling = interpreter_linear_tiling(*weight.shape)
-        out = invariant_matmul(rows, weight.contiguous(), x.dtype, tiling).reshape(*x.shape[:-1], weight.shape[0])
-        return out if bias is None else out + bias
+        if bias is None:
+            out = invariant_matmul(rows, weight.contiguous(), x.dtype, tiling)
+        else:
+            out = (invariant_matmul(rows, weight.contiguous(), torch.float32, tiling) + bias.float()).to(x.dtype)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
 
     return forward_only(compute, x, weight, bias)
 

@@ -95,13 +95,15 @@ def test_rmsnorm_silu_and_linear_are_within_bound_and_rows_do_not_depend_on_the_
     norm.weight = torch.nn.Parameter((1 + 0.1 * torch.randn(width, generator=generator)).to(dtype))
     norm.variance_epsilon = 1e-6
     norm = norm.to(triton_device)
-    linear = torch.nn.Linear(width, out, bias=False, dtype=dtype, device=triton_device)
+    linear = torch.nn.Linear(width, out, bias=True, dtype=dtype, device=triton_device)  # Qwen2's q, k, v have one
     linear.weight.data = (torch.randn(out, width, generator=generator) / width**0.5).to(linear.weight)
+    linear.bias.data = torch.randn(out, generator=generator).to(linear.bias)
     outputs = {
         "rmsnorm": (body.rms_norm(x, norm.weight, norm.variance_epsilon),
                     lambda rows: body.rms_norm(rows, norm.weight, norm.variance_epsilon)),
         "silu": (body.silu(x), body.silu),
-        "linear": (body.linear(x, linear.weight), lambda rows: body.linear(rows, linear.weight)),
+        "linear": (body.linear(x, linear.weight, linear.bias),
+                   lambda rows: body.linear(rows, linear.weight, linear.bias)),
     }  # fmt: skip
     for name, (whole, call) in outputs.items():
         for pick in (
