@@ -191,7 +191,7 @@ def chain_table(checks: pd.DataFrame, root: Path) -> pd.DataFrame:
 
 
 DIVERGENCE_SHOWN = ["profile", "tp", "cell", "module", "module_class", "tokens", "tokens_differing", "max_abs_diff"]
-ROLLOUT_METRICS = ["k1_kl", "k3_kl", "ppl_ratio", "max_abs_dlogp"]  # of the trainer_rollout rows, the ones shown
+ROLLOUT_METRICS = ["k1_kl", "k2_kl", "k3_kl", "ppl_ratio", "max_abs_dlogp"]  # of the trainer_rollout rows, the ones shown
 
 
 def whole_model_sections(checks: pd.DataFrame, divergence: pd.DataFrame) -> list[Section]:
@@ -212,7 +212,7 @@ def whole_model_sections(checks: pd.DataFrame, divergence: pd.DataFrame) -> list
             "Whole model: trainer against rollout",
             [f"verl's mismatch metrics of the trainer's cell ({CANONICAL_CELL}) against each rollout cell, per run "
              "(reported, not judged: docs/whole_model.md#trainer-against-rollout). A bitwise invariant body gives "
-             "k1 = k3 = 0 and a perplexity ratio of exactly 1; every metric is in the checks table."],
+             "k1 = k2 = k3 = 0 and a perplexity ratio of exactly 1; every metric is in the checks table."],
             table,
         ))  # fmt: skip
     first = divergence[divergence["first_diverging"]] if len(divergence) else divergence
