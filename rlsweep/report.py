@@ -191,13 +191,8 @@ def chain_table(checks: pd.DataFrame, root: Path) -> pd.DataFrame:
 
 
 DIVERGENCE_SHOWN = ["profile", "tp", "cell", "module", "module_class", "tokens", "tokens_differing", "max_abs_diff"]
-ROLLOUT_METRICS = [
-    "k1_kl",
-    "k2_kl",
-    "k3_kl",
-    "ppl_ratio",
-    "max_abs_dlogp",
-]  # of the trainer_rollout rows, the ones shown
+# Of the trainer_rollout rows, the ones shown.
+ROLLOUT_METRICS = ["k1_kl", "k2_kl", "k3_kl", "ppl_ratio", "max_abs_dlogp"]
 
 
 def whole_model_sections(checks: pd.DataFrame, divergence: pd.DataFrame) -> list[Section]:
