@@ -110,10 +110,10 @@ def test_a_whole_model_sweep_is_gated_across_tp_and_profiles(tmp_path):
     rollout = markdown.split("## Whole model: trainer against rollout")[1].split("\n## ")[0]
     rows = {tuple(cells[:3]): cells[3:] for line in rollout.splitlines() if line.startswith("| ")
             for cells in [[cell.strip() for cell in line.strip("|").split("|")]]}  # fmt: skip
-    assert rows["hf_eager_cpu_bf16", "1", "decode"] == ["0", "0", "1", "0"]  # k1, k3, ppl ratio, max |dlogp|
-    k1, k3, ratio, largest = map(float, rows["cpu_bf16", "1", "decode"])
+    assert rows["hf_eager_cpu_bf16", "1", "decode"] == ["0", "0", "0", "1", "0"]  # k1, k2, k3, ppl, max |dlogp|
+    k1, k2, k3, ratio, largest = map(float, rows["cpu_bf16", "1", "decode"])
     assert k1 != 0
-    assert k3 > 0 and ratio != 1 and largest > 0.01
+    assert k2 > 0 and k3 > 0 and ratio != 1 and largest > 0.01
     first = markdown.split("## Whole model: the first diverging module")[1].split("\n## ")[0]
     assert "| cpu_bf16 | 2 | decode | model.layers.0.self_attn | Qwen3Attention |" in first, first
     assert f"]({DIVERGENCE_PNG})" in first
