@@ -251,6 +251,26 @@ def quiet_profiler() -> None:
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 
+# A profiler range around rlsweep's own bookkeeping inside an observed block (``bookkeeping``): the ops it encloses are
+# the harness's, not the node's. Each block counts the ranges it opened; a profile holding any other number of them
+# (a node that opened one of that name itself) hides nothing.
+BOOKKEEPING = "rlsweep.bookkeeping"
+_BOOKKEEPING_OPENED: ContextVar[list[int] | None] = ContextVar("bookkeeping_opened", default=None)
+
+
+@contextmanager
+def bookkeeping() -> Iterator[None]:
+    """The block is rlsweep's own work inside an observed block (hooks copying each module's tensors for the
+    first-divergence table, rlsweep/divergence.py): ``observing_dispatcher`` leaves what it runs out."""
+    opened = _BOOKKEEPING_OPENED.get()
+    if opened is None:
+        yield
+        return
+    opened[0] += 1
+    with torch.autograd.profiler.record_function(BOOKKEEPING):
+        yield
+
+
 # The profiler is one per process and sees every thread: node calls made at once on two threads take turns, and ops
 # another thread runs meanwhile are seen as the node's (a backend cannot hide a reduction in a thread of its own).
 _PROFILER = threading.Lock()
@@ -270,25 +290,36 @@ def observing_dispatcher() -> Iterator[None]:
             "a node call was made while torch's profiler was already running (a node call inside another, or the "
             "caller's own profiler): provenance observes each node call with a profiler of its own"
         )
-    # autograd's profiler, not torch.profiler's, whose start imports torch._inductor (a second) to look for it.
-    with _PROFILER, profile(use_device=None, experimental_config=profiler_config()) as profiler:
-        yield
-    for launch in outermost_launches(profiler.kineto_results.events()):
+    opened = [0]
+    token = _BOOKKEEPING_OPENED.set(opened)
+    try:
+        # autograd's profiler, not torch.profiler's, whose start imports torch._inductor (a second) to look for it.
+        with _PROFILER, profile(use_device=None, experimental_config=profiler_config()) as profiler:
+            yield
+    finally:
+        _BOOKKEEPING_OPENED.reset(token)
+    for launch in outermost_launches(profiler.kineto_results.events(), bookkeeping_ranges=opened[0]):
         record(launch)
 
 
-def outermost_launches(events: Iterable[Any]) -> list[KernelLaunch]:
-    """The launches (``observed_launch``) among a profile's raw events that no other kept launch or compiling event
-    encloses on its thread, in the order they started. Nesting is read from each CPU event's thread and interval,
-    as torch's own event tree reads it, without building that tree: it costs seconds for a body's tens of thousands
-    of ops (``torch.autograd.profiler.profile.function_events``)."""
+def outermost_launches(events: Iterable[Any], bookkeeping_ranges: int = 0) -> list[KernelLaunch]:
+    """The launches (``observed_launch``) among a profile's raw events that no other kept launch, compiling event or
+    bookkeeping range encloses on its thread, in the order they started; ``bookkeeping_ranges``: how many
+    ``BOOKKEEPING`` ranges rlsweep opened meanwhile (only if the profile holds exactly that many do they hide
+    anything). Nesting is read from each CPU event's thread and interval, as torch's own event tree reads it, without
+    building that tree: it costs seconds for a body's tens of thousands of ops
+    (``torch.autograd.profiler.profile.function_events``)."""
+    events = list(events)
+    cpu = torch.autograd.DeviceType.CPU
+    ranges = sum(event.name() == BOOKKEEPING and event.device_type() == cpu for event in events)
+    hiding = COMPILING | {BOOKKEEPING} if ranges == bookkeeping_ranges else COMPILING
     launches: dict[str, KernelLaunch | None] = {}
     by_thread: dict[int, list[tuple[int, int, str]]] = {}
     for event in events:
         name = event.name()
         if name not in launches:
             launches[name] = observed_launch(name)
-        if launches[name] is None and name not in COMPILING:
+        if launches[name] is None and name not in hiding:
             continue  # neither kept nor hiding what it encloses: it changes nothing below
         if event.device_type() != torch.autograd.DeviceType.CPU or event.is_async():
             continue
@@ -306,7 +337,7 @@ def outermost_launches(events: Iterable[Any]) -> list[KernelLaunch]:
             launch = launches[name]
             if launch is not None:
                 kept.append((start, launch))
-            if launch is not None or name in COMPILING:
+            if launch is not None or name in hiding:
                 enclosing.append(end)
     return [launch for _, launch in sorted(kept, key=lambda item: item[0])]
 

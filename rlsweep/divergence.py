@@ -19,6 +19,7 @@ import pandas as pd
 import torch
 
 from kernels.bitwise import bit_pattern, bit_view
+from kernels.launches import bookkeeping
 from rlsweep.hf_model import BuiltModel
 from rlsweep.model_cells import CURRENT_SLOTS, DEFAULT_CHUNK_SIZE, TRAINER_CELL, TokenWorkload, cell_hidden
 from rlsweep.tables import DIVERGENCE_COLUMNS
@@ -26,12 +27,12 @@ from rlsweep.tables import DIVERGENCE_COLUMNS
 
 @dataclass
 class ModuleRecord:
-    """One module's rows by logical token, gathered call by call: each call's tokens, the bytes of its per-token
-    inputs (one row per token) and its output rows. A token recorded twice keeps its last call's rows."""
+    """One module's rows by logical token, gathered call by call: each call's tokens, the rows of its per-token
+    inputs and its output rows. A token recorded twice keeps its last call's rows."""
 
     module_class: str
     order: int  # when it first started, in the cell's execution
-    calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    calls: list[tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]] = field(default_factory=list)
 
     @cached_property
     def rows(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -46,7 +47,7 @@ class ModuleRecord:
         picked = torch.tensor([last[token] for token in order], dtype=torch.int64)
         return (
             torch.tensor(order, dtype=torch.int64),
-            stacked([c[1] for c in self.calls], picked),
+            stacked([token_bytes(c[1], len(c[0])) for c in self.calls], picked),
             stacked([c[2] for c in self.calls], picked),
         )
 
@@ -76,9 +77,11 @@ def per_token(value: Any, shape: torch.Size) -> list[torch.Tensor]:
 
 @contextmanager
 def recording(built: BuiltModel) -> Iterator[dict[str, ModuleRecord]]:
-    """Record every module of the body (``ModuleRecord`` by module path) while the block runs cells."""
+    """Record every module of the body (``ModuleRecord`` by module path) while the block runs cells; inside
+    ``rlsweep.model_cells.observing_body`` too, whose provenance leaves the recording's own ops out."""
     records: dict[str, ModuleRecord] = {}
     handles = []
+    live: list[Any] = [None, None]  # the last call's slots and their (tokens, row indices by device)
 
     def started(path: str, module: torch.nn.Module) -> None:
         if path not in records:
@@ -88,16 +91,33 @@ def recording(built: BuiltModel) -> Iterator[dict[str, ModuleRecord]]:
         slots = CURRENT_SLOTS.get()
         if slots is None:
             return
+        with bookkeeping():  # the copies below are not the body's: provenance, if observing, leaves them out
+            keep(path, slots, args, kwargs, output)
+
+    def rows_of(slots: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The logical tokens of a call's slots and where they are ([batch], [position] on ``device``), worked out
+        once per call (every module of one forward shares its slots), not once per module."""
+        if live[0] is not slots:
+            where = (slots >= 0).nonzero(as_tuple=True)
+            live[0], live[1] = slots, (slots[where].cpu(), where, {})
+        tokens, where, by_device = live[1]
+        if device not in by_device:
+            by_device[device] = tuple(index.to(device) for index in where)
+        return tokens, by_device[device]
+
+    @torch.no_grad()
+    def keep(path: str, slots: torch.Tensor, args: tuple, kwargs: dict, output: Any) -> None:
         # A mask describes the layout, not a token: it differs between cells by design and is never an input here.
         inputs = per_token([*args, *(v for k, v in kwargs.items() if "mask" not in k)], slots.shape)
         outputs = per_token(output, slots.shape)
-        if not outputs or not bool((slots >= 0).any()):
+        if not outputs:
             return
-        where = (slots >= 0).nonzero(as_tuple=True)
-        tokens = slots[where].cpu()
-        rows = [t[where[0].to(t.device), where[1].to(t.device)] for t in inputs]
-        output = outputs[0][where[0].to(outputs[0].device), where[1].to(outputs[0].device)]
-        records[path].calls.append((tokens, token_bytes(rows, len(tokens)), output.detach().cpu().clone()))
+        tokens, _ = rows_of(slots, outputs[0].device)
+        if not len(tokens):
+            return
+        rows = [t[rows_of(slots, t.device)[1]] for t in inputs]  # advanced indexing: copies, never views
+        out = outputs[0][rows_of(slots, outputs[0].device)[1]].cpu()
+        records[path].calls.append((tokens, rows, out))
 
     for path, module in built.body.named_modules(prefix="model"):
         handles.append(module.register_forward_pre_hook(lambda m, a, path=path: started(path, m)))

@@ -84,7 +84,7 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
                         observed: dict[str, Any]):  # fmt: skip
     """The model, its workload and every cell through ``op``; provenance, module and trainer-rollout verdicts as
     they come. Returns ``rlsweep.run.Computed`` with a gold per cell and the divergence rows."""
-    from rlsweep.divergence import divergence, record_cell
+    from rlsweep.divergence import divergence, recording
     from rlsweep.run import Computed, unique_provenance
 
     profile, contract = spec.profile, spec.contract
@@ -99,9 +99,12 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
     logits_dtype = EXECUTION_DTYPES[profile.logits_name]
     computed = Computed()
     observed["body"] = {}
+    canonical_records, tables = None, []
     for number, name in enumerate(cells, start=1):
         log.info("cell %d/%d %s: the body, then the head", number, len(cells), name)
-        with observing_body(built) as seen:
+        # Every module is recorded in the same pass (its copies left out of the provenance), for the divergence rows
+        # of a cell that moves, or of every cell for a body that claims every module bitwise.
+        with recording(built) as records, observing_body(built) as seen:
             hidden = torch.cat(cell_hidden(built, tokens, name, chunk_size=spec.layout.chunk_size))
         observed["body"][name] = seen
         verdicts.append(body_provenance_verdict(name, profile.body_attention, seen["attention"], seen["kernels"]))
@@ -126,6 +129,11 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
         reference = run_reference(cell, workload, weight, nothing, spec.sharding.vocab_tile)
         computed.results.append(result)
         computed.golds.append(CellGold(reference, workload, standard))
+        if number == 1:
+            canonical_records = records
+        elif spec.bitwise_body or differs(result, computed.results[0]):
+            tables.append(divergence(canonical_records, records, cell=name, canonical_cell=cells[0]))
+        del records
     if computed.stopped:
         return computed
     for result in computed.results:
@@ -141,17 +149,8 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
     logp = {result.cell.name: result.logp for result in computed.results}
     verdicts += trainer_rollout_verdicts(logp, active, gold.workload.sample_ids, contract.clip_interval,
                                          contract.roles_for(DECODE_PARITY_ROLES))  # fmt: skip
-    moved = [result.cell.name for result in computed.results[1:] if differs(result, canonical)]
-    # A body that claims every module bitwise has every cell's modules compared, moved or not.
-    compared = [result.cell.name for result in computed.results[1:]] if spec.bitwise_body else moved
-    if compared:
-        log.info("recording every module for the divergence of %s", ", ".join(compared))
-        chunk = spec.layout.chunk_size
-        recorded = record_cell(built, tokens, cells[0], chunk)
-        computed.divergence = pd.concat(
-            [divergence(recorded, record_cell(built, tokens, name, chunk), cell=name, canonical_cell=cells[0])
-             for name in compared], ignore_index=True,
-        )  # fmt: skip
+    if tables:
+        computed.divergence = pd.concat(tables, ignore_index=True)
     if spec.bitwise_body:
         table = (
             computed.divergence if computed.divergence is not None else pd.DataFrame(columns=list(DIVERGENCE_COLUMNS))

@@ -13,7 +13,14 @@ import torch
 from conftest import liger_interpreted, triton_runs_on
 
 import kernels
-from kernels.launches import COMPILED_GRAPH_KERNEL, observed_provenance, observing_dispatcher, recording_launches
+from kernels.launches import (
+    BOOKKEEPING,
+    COMPILED_GRAPH_KERNEL,
+    bookkeeping,
+    observed_provenance,
+    observing_dispatcher,
+    recording_launches,
+)
 from kernels.provenance import call_node
 from kernels.triton_backend import INTERPRETER_FORWARD_TILING, TritonBackend
 
@@ -225,6 +232,28 @@ def test_a_reduction_run_on_another_thread_during_the_node_is_observed():
         return x.amax(1)
 
     assert node(hidden, torch.randn(4, 9)) == ["aten::logsumexp", "aten::amax"]
+
+
+def test_only_the_bookkeeping_ranges_rlsweep_opened_hide_their_ops():
+    """rlsweep's own copies inside an observed block (the first-divergence hooks) are left out; a node that opens a
+    range of that name itself hides nothing, whether or not rlsweep opened one too."""
+    x = torch.randn(4, 9)
+
+    def forged(x):
+        with torch.autograd.profiler.record_function(BOOKKEEPING):
+            return x.sum(1)
+
+    assert node(forged, x) == ["aten::sum"]
+    for forge in (False, True):
+        with observed_provenance(), recording_launches() as launches, observing_dispatcher():
+            with bookkeeping():
+                x.sum(1)
+            if forge:
+                with torch.autograd.profiler.record_function(BOOKKEEPING):
+                    x.mean(1)
+            x.amax(1)
+        seen = [launch.kernel for launch in launches]
+        assert seen == (["aten::sum", "aten::mean", "aten::amax"] if forge else ["aten::amax"])
 
 
 def test_outside_observed_provenance_a_call_observes_nothing_and_no_check_passes_it(make_inputs):
