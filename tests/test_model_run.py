@@ -49,6 +49,7 @@ def sdpa_run(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.xdist_group("eager_run")  # one worker runs the module fixture once
 def test_eager_attention_is_green_in_every_cell_with_every_whole_model_verdict(eager_run):
     found = tables(eager_run)
     checks, tokens = found["checks"], found["tokens"]
@@ -119,6 +120,7 @@ def test_a_whole_model_sweep_is_gated_across_tp_and_profiles(tmp_path):
     assert f"]({DIVERGENCE_PNG})" in first
 
 
+@pytest.mark.xdist_group("eager_run")  # one worker runs the module fixture once
 def test_a_checks_table_that_lost_a_whole_model_row_is_not_what_its_config_plans(eager_run):
     run = load_run(eager_run)
     config, contract, checks = run.config, run.contract, run.checks
