@@ -97,7 +97,9 @@ class ProfileConfig:
     merge_order: str = "rank_shard"  # global_tile | rank_shard: how the TP partials are merged
     required_nodes: dict[str, str] = field(default_factory=dict)  # op node -> backend id
     backend_module: str | None = None  # imported first: a module that registers backend_family (docs/extending.md)
-    body_attention: str = "sdpa"  # a whole model's attention implementation: eager | sdpa (transformers' stock)
+    # A whole-model profile's attention: eager | sdpa (transformers' stock) | invariant; null: a head profile (a whole
+    # model's body then runs sdpa; a profile that names a body is refused for a head alone)
+    body_attention: str | None = None
     body_packing: str = "confined"  # confined | unconfined: BN/packed without its per-sequence mask (a control)
     tensors: list[str] = field(default_factory=lambda: ["logp", "lse"])  # what the backend computes: [logp] for one
     # that exports no lse (a fused head such as liger); every forward verdict is judged on each of these

@@ -35,6 +35,8 @@ GEOMETRY = ("hidden_size", "vocab_size")  # the head's sizes, read from a whole 
 # (``rlsweep.invariant_body``: every linear, norm, activation and attention of the body through ``kernels.body``).
 ATTENTION = ("eager", "sdpa", "invariant")
 STOCK_ATTENTION = ("eager", "sdpa")
+# What a whole model's body runs behind a head profile, one that names no body_attention (profile=cpu_bf16).
+DEFAULT_ATTENTION = "sdpa"
 # Bodies that claim every module's output bitwise equal in every cell: their runs judge each cell's modules too
 # (``forward_invariance`` of tensor ``modules``), not the logprobs alone.
 BITWISE_BODIES = ("invariant",)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import fnmatch
 import importlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ from rlsweep.contract import (
 )
 from rlsweep.errors import ConfigError
 from rlsweep.exitcodes import exit_site
-from rlsweep.hf_model import ATTENTION, BITWISE_BODIES, GEOMETRY, PACKING, WholeModelSpec
+from rlsweep.hf_model import ATTENTION, BITWISE_BODIES, DEFAULT_ATTENTION, GEOMETRY, PACKING, WholeModelSpec
 from rlsweep.synthetic import check_seed
 from rlsweep.verdicts import DECLARABLE, FORWARD_TENSORS, GRADIENT_TENSORS, Judgment, Tensor
 
@@ -211,7 +211,9 @@ class ProfileSpec:
     merge_order: str = "rank_shard"  # how the TP partials are merged
     required_nodes: Mapping[str, str] = field(default_factory=dict)  # op node -> backend id
     backend_module: str | None = None  # a module to import first: it registers backend_family (docs/extending.md)
-    body_attention: str = "sdpa"  # a whole model's attention implementation (transformers' stock ones)
+    # A whole-model profile's attention implementation (hf_model.ATTENTION); None: a head profile, behind which a
+    # whole model's body runs DEFAULT_ATTENTION (parse_run_spec resolves it, and refuses a body for a head alone).
+    body_attention: str | None = None
     body_packing: str = "confined"  # how BN/packed confines attention (unconfined: the packing negative control)
     tensors: tuple[str, ...] = FORWARD_TENSORS  # the forward tensors the backend computes, each judged
     expected_red: tuple[ExpectedRed, ...] = ()
@@ -224,7 +226,8 @@ class ProfileSpec:
         choice(f"{where}logits_dtype", self.logits_name, tuple(EXECUTION_DTYPES))
         choice(f"{where}determinism_scope", self.determinism_scope, DETERMINISM_SCOPES)
         choice(f"{where}merge_order", self.merge_order, MERGE_ORDERS)
-        choice(f"{where}body_attention", self.body_attention, ATTENTION)
+        if self.body_attention is not None:
+            choice(f"{where}body_attention", self.body_attention, ATTENTION)
         choice(f"{where}body_packing", self.body_packing, PACKING)
         unknown = sorted(set(self.required_nodes) - set(kernels.OP_NODES))
         if unknown or not self.required_nodes:
@@ -555,6 +558,16 @@ def parse_run_spec(config: Mapping[str, Any], *, contract_file: str, profile_fil
     model = build(ModelSpec, config["model"], "model", weights=weights, body=body, **model_geometry(config, body))
     declared = expected_reds(profile.get("expected_red", ()), "profile.expected_red")
     profile_spec = build(ProfileSpec, profile, "profile", expected_red=declared)
+    claims_body = profile_spec.body_attention is not None or profile_spec.body_packing != PACKING[0]
+    if body is None and claims_body:
+        raise ConfigError(
+            f"profile {profile_spec.name!r} judges a whole model's body (body_attention="
+            f"{profile_spec.body_attention}, body_packing={profile_spec.body_packing}), and model "
+            f"{model.name!r} is a head alone (no model.body): nothing would run that body; choose a whole model "
+            "(model=qwen3_tiny, say), or a profile that names no body (profile=cpu_bf16, say)"
+        )
+    if body is not None and profile_spec.body_attention is None:
+        profile_spec = replace(profile_spec, body_attention=DEFAULT_ATTENTION)
     # Every shard a run of whole tiles: ranks past the real vocab own padding only, which merges as the identity.
     sharding = kernels.ShardingSpec.even(model.vocab_size, profile_spec.vocab_tile, tp)
     contract_document = config["contract"]

@@ -180,7 +180,17 @@ def test_a_whole_model_run_refuses_what_it_cannot_judge_in_one_line(tmp_path, ov
 
 def test_body_attention_on_a_head_alone_is_refused(tmp_path):
     done = run_rlsweep(tmp_path, "model=tiny", "profile=cpu_bf16", "profile.body_attention=eager")
-    assert done.returncode == 1 and "applies to whole models only" in done.stderr, done.stderr[-2000:]
+    assert done.returncode == 1 and "is a head alone" in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("profile", ["invariant_body_cpu_bf16", "hf_sdpa_cpu_bf16"])
+def test_a_whole_model_profile_on_a_head_alone_is_refused_not_run_on_the_head(tmp_path, profile):
+    """A profile that names a body judges that body; on a model without one it would judge the head alone and could
+    be GREEN with no body run at all."""
+    done = run_rlsweep(tmp_path, "model=tiny", f"profile={profile}")
+    assert done.returncode == 1, done.stdout[-2000:]
+    assert f"profile {profile!r} judges a whole model's body" in done.stderr and "is a head alone" in done.stderr
+    assert not list(tmp_path.glob("*/part-*.parquet")), "a refused run wrote a table"
 
 
 def test_a_checkpoint_saved_from_the_config_built_model_loads_by_path_with_its_fingerprint_and_results(
