@@ -377,6 +377,8 @@ CHECKED_IN = [
     )
     + (["workload.path=capture.st"] if path.parent.name == "workload" and path.stem == "replay" else [])
     + (["model.body.path={checkpoint}"] if path.parent.name == "model" and path.stem == "checkpoint" else [])
+    # A profile that names a body runs on a whole model only (a head alone is refused).
+    + (["model=qwen3_tiny"] if path.parent.name == "profile" and "body_attention:" in path.read_text() else [])
     for path in sorted(CONF.glob("*/*.yaml"))
 ]
 
