@@ -23,6 +23,7 @@ import os
 import re
 import sys
 import threading
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -181,7 +182,9 @@ REDUCING_NAMES = re.compile(
 # Operator namespaces that are torch's own: their ops are kept only where ``reducing_op`` says so. Any other
 # namespace is a custom op (``torch.library``), kept whatever it does.
 TORCH_NAMESPACES = frozenset({"aten", "prim", "prims", "profiler", "autograd", "c10d", "inductor", "cuda"})
-# What torch.compile does while it compiles (tracing runs ops on fake tensors): none of it is a launch.
+# What torch.compile does while it compiles (tracing runs ops on fake tensors): none of it is a launch. Such a range
+# hides what it encloses only where dynamo converted at least as many frames during the block as the profile holds
+# ranges of that name (``dynamo_frames``): a node that names a range of its own "dynamo" hides nothing.
 COMPILING = frozenset({"dynamo"})
 COMPILED_GRAPH = re.compile(r"## Call CompiledFxGraph (\S+) ##")
 # The kernel name a compiled graph is recorded under; its FX graph's cache key goes in the launch's config.
@@ -295,24 +298,40 @@ def observing_dispatcher() -> Iterator[None]:
     try:
         # autograd's profiler, not torch.profiler's, whose start imports torch._inductor (a second) to look for it.
         with _PROFILER, profile(use_device=None, experimental_config=profiler_config()) as profiler:
+            frames = dynamo_frames()
             yield
+            frames = dynamo_frames() - frames
     finally:
         _BOOKKEEPING_OPENED.reset(token)
-    for launch in outermost_launches(profiler.kineto_results.events(), bookkeeping_ranges=opened[0]):
+    events = profiler.kineto_results.events()
+    for launch in outermost_launches(events, bookkeeping_ranges=opened[0], compiled_frames=frames):
         record(launch)
 
 
-def outermost_launches(events: Iterable[Any], bookkeeping_ranges: int = 0) -> list[KernelLaunch]:
+def dynamo_frames() -> int:
+    """The frames torch.compile's dynamo has been asked to convert in this process (each compile's "dynamo" range is
+    one of them); 0 while it is not imported."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return 0 if utils is None else int(utils.counters["frames"]["total"])
+
+
+def outermost_launches(
+    events: Iterable[Any], bookkeeping_ranges: int = 0, compiled_frames: int = 0
+) -> list[KernelLaunch]:
     """The launches (``observed_launch``) among a profile's raw events that no other kept launch, compiling event or
     bookkeeping range encloses on its thread, in the order they started; ``bookkeeping_ranges``: how many
     ``BOOKKEEPING`` ranges rlsweep opened meanwhile (only if the profile holds exactly that many do they hide
-    anything). Nesting is read from each CPU event's thread and interval, as torch's own event tree reads it, without
-    building that tree: it costs seconds for a body's tens of thousands of ops
+    anything); ``compiled_frames``: how many frames dynamo converted meanwhile (``COMPILING`` ranges hide only if
+    there are no more of them than that). Nesting is read from each CPU event's thread and interval, as torch's own
+    event tree reads it, without building that tree: it costs seconds for a body's tens of thousands of ops
     (``torch.autograd.profiler.profile.function_events``)."""
     events = list(events)
     cpu = torch.autograd.DeviceType.CPU
-    ranges = sum(event.name() == BOOKKEEPING and event.device_type() == cpu for event in events)
-    hiding = COMPILING | {BOOKKEEPING} if ranges == bookkeeping_ranges else COMPILING
+    counted = Counter(event.name() for event in events if event.device_type() == cpu)
+    hiding = {
+        *(COMPILING if sum(counted[name] for name in COMPILING) <= compiled_frames else ()),
+        *((BOOKKEEPING,) if counted[BOOKKEEPING] == bookkeeping_ranges else ()),
+    }
     launches: dict[str, KernelLaunch | None] = {}
     by_thread: dict[int, list[tuple[int, int, str]]] = {}
     for event in events:

@@ -256,6 +256,17 @@ def test_only_the_bookkeeping_ranges_rlsweep_opened_hide_their_ops():
         assert seen == (["aten::sum", "aten::mean", "aten::amax"] if forge else ["aten::amax"])
 
 
+def test_a_node_that_names_a_range_as_torch_compile_does_hides_nothing():
+    """What torch.compile runs while it compiles is left out under the profiler range its dynamo opens; a node that
+    opens a range of that name without compiling anything hides nothing."""
+
+    def forged(x):
+        with torch.autograd.profiler.record_function("dynamo"):
+            return torch.logsumexp(x, -1)
+
+    assert node(forged, torch.randn(4, 9)) == ["aten::logsumexp"]
+
+
 def test_outside_observed_provenance_a_call_observes_nothing_and_no_check_passes_it(make_inputs):
     """Observing costs milliseconds a node, which a training step should not pay: a plain lm_head_logprob call does
     not observe, says so, and fails every provenance check; a dispatched op observes whatever its caller does."""
