@@ -195,10 +195,15 @@ def histograms(accuracy: pd.DataFrame, atol: Mapping[str, float]) -> Figure:
     return fig
 
 
+# What tells one moved cell's divergence rows from another's in a sweep: its run's profile, tp and chunk size.
+DIVERGENCE_RUN = ("profile", "tp", "chunk_size", "cell")
+
+
 def divergence(table: pd.DataFrame) -> Figure:
-    """A whole model's divergence table (``rlsweep.divergence``): per profile (its smallest tp: the body runs whole at
-    every tp), the tokens each module's output moved in each cell that broke invariance, modules in the canonical
-    cell's execution order; a star marks each cell's first diverging module."""
+    """A whole model's divergence table (``rlsweep.divergence``, with each run's ``chunk_size``): per profile (its
+    smallest tp: the body runs whole at every tp), the tokens each module's output moved in each cell that broke
+    invariance, one line per cell and chunk size, modules in the canonical cell's execution order; a star marks each
+    line's first diverging module."""
     smallest = table.groupby("profile", observed=True)["tp"].transform("min")
     table = table[table["tp"] == smallest]
     profiles = sorted(table["profile"].unique())
@@ -209,10 +214,12 @@ def divergence(table: pd.DataFrame) -> Figure:
         rows = table[table["profile"] == profile]
         order = rows.drop_duplicates("module").sort_values("order")
         position = {module: i for i, module in enumerate(order["module"])}
-        for cell, moved in rows.groupby("cell", observed=True, sort=True):
+        several = rows["chunk_size"].nunique() > 1
+        for (chunk, cell), moved in rows.groupby(["chunk_size", "cell"], observed=True, sort=True):
             moved = moved.sort_values("order")
             x = moved["module"].map(position)
-            (line,) = ax.plot(x, moved["tokens_differing"], marker=".", linewidth=1, label=str(cell))
+            label = f"{cell} (chunk {chunk})" if several else str(cell)
+            (line,) = ax.plot(x, moved["tokens_differing"], marker=".", linewidth=1, label=label)
             first = moved[moved["first_diverging"]]
             ax.plot(first["module"].map(position), first["tokens_differing"], marker="*", markersize=12,
                     linestyle="none", color=line.get_color())  # fmt: skip

@@ -190,7 +190,9 @@ def chain_table(checks: pd.DataFrame, root: Path) -> pd.DataFrame:
     return table.fillna("").reset_index().rename_axis(columns=None)
 
 
-DIVERGENCE_SHOWN = ["profile", "tp", "cell", "module", "module_class", "tokens", "tokens_differing", "max_abs_diff"]
+# chunk_size: the run's layout.chunk_size, which tells apart the runs of a sweep over it (conf/sweep/invariant_body).
+DIVERGENCE_SHOWN = ["profile", "tp", "chunk_size", "cell", "module", "module_class", "tokens", "tokens_differing",
+                    "max_abs_diff"]  # fmt: skip
 # Of the trainer_rollout rows, the ones shown.
 ROLLOUT_METRICS = ["k1_kl", "k2_kl", "k3_kl", "ppl_ratio", "max_abs_dlogp"]
 
@@ -224,7 +226,7 @@ def whole_model_sections(checks: pd.DataFrame, divergence: pd.DataFrame) -> list
              "inputs are bitwise equal in both cells and whose output is not (docs/whole_model.md#the-first-diverging-"
              "op-rlsweepdivergencepy). The plot: tokens each module's output moved, modules in execution order, one "
              "line per moved cell; the divergence table holds every module's row."],
-            first[DIVERGENCE_SHOWN].sort_values(["profile", "tp", "cell"]).reset_index(drop=True),
+            first[DIVERGENCE_SHOWN].sort_values(["profile", "tp", "chunk_size", "cell"]).reset_index(drop=True),
             image=DIVERGENCE_PNG,
         ))  # fmt: skip
     return sections
@@ -408,10 +410,11 @@ def write_report(root: Path, out: Path, result: GateResult) -> list[Path]:
         heatmap = plots.heatmap(analysis.dlogp_vs_canonical(tokens), analysis.cell_outcomes(checks))
         images[HEATMAP_PNG] = plots.png_bytes(heatmap)
         images[HISTOGRAM_PNG] = plots.png_bytes(plots.histograms(analysis.dlogp_vs_reference(tokens), atol))
-    frames = [run.divergence for run in result.runs if run.divergence is not None and len(run.divergence)]
+    frames = [run.divergence.assign(chunk_size=int(run.config["layout"]["chunk_size"])) for run in result.runs
+              if run.divergence is not None and len(run.divergence)]  # fmt: skip
     divergence = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=DIVERGENCE_SHOWN)
     if len(divergence):  # the cells whose bits moved (a bitwise body's table has every cell's modules, most at 0)
-        moved = divergence.groupby(["profile", "tp", "cell"], observed=True)["tokens_differing"].transform("sum")
+        moved = divergence.groupby(list(plots.DIVERGENCE_RUN), observed=True)["tokens_differing"].transform("sum")
         divergence = divergence[moved > 0]
     if len(divergence):
         images[DIVERGENCE_PNG] = plots.png_bytes(plots.divergence(divergence))

@@ -116,7 +116,7 @@ def test_a_whole_model_sweep_is_gated_across_tp_and_profiles(tmp_path):
     assert k1 != 0
     assert k2 > 0 and k3 > 0 and ratio != 1 and largest > 0.01
     first = markdown.split("## Whole model: the first diverging module")[1].split("\n## ")[0]
-    assert "| cpu_bf16 | 2 | decode | model.layers.0.self_attn | Qwen3Attention |" in first, first
+    assert "| cpu_bf16 | 2 | 5 | decode | model.layers.0.self_attn | Qwen3Attention |" in first, first
     assert f"]({DIVERGENCE_PNG})" in first
 
 

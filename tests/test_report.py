@@ -274,3 +274,22 @@ def test_a_seed_sweep_is_reported_with_each_seed_against_its_own_baseline(tmp_pa
     runs = analysis.baseline_runs(analysis.load_tokens(tmp_path))
     assert len(runs) == 2 and (runs["baseline"] == runs[analysis.RUN_DIR]).all()
     assert main([str(tmp_path)]) == ExitCode.GREEN
+
+
+def test_the_divergence_plot_draws_each_chunk_size_of_a_cell_as_a_line_of_its_own():
+    """A sweep over layout.chunk_size has a moved chunked cell in each of its runs: one line each, not their rows
+    merged into one line that zigzags between two runs' modules."""
+    import pandas as pd
+
+    modules = ["model.embed_tokens", "model.layers.0.self_attn", "model.norm"]
+    table = pd.DataFrame([
+        {"profile": "p", "tp": 1, "chunk_size": chunk, "cell": "B1/chunked", "module": module, "order": order,
+         "tokens_differing": moved * chunk, "first_diverging": order == 1}
+        for chunk in (3, 7) for order, (module, moved) in enumerate(zip(modules, (0, 5, 7), strict=True))
+    ])  # fmt: skip
+    figure = plots.divergence(table)
+    lines = [line for line in figure.axes[0].get_lines() if line.get_linestyle() != "None"]
+    labels = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
+    assert labels == ["B1/chunked (chunk 3)", "B1/chunked (chunk 7)"]
+    assert [list(line.get_ydata()) for line in lines] == [[0, 15, 21], [0, 35, 49]]
+    plots.png_bytes(figure)  # closes it
