@@ -340,7 +340,7 @@ def outermost_launches(
             launches[name] = observed_launch(name)
         if launches[name] is None and name not in hiding:
             continue  # neither kept nor hiding what it encloses: it changes nothing below
-        if event.device_type() != torch.autograd.DeviceType.CPU or event.is_async():
+        if event.device_type() != cpu or event.is_async():
             continue
         if event.start_thread_id() != event.end_thread_id() or getattr(event, "is_hidden_event", bool)():
             continue  # an event on two threads is async, as torch's tree reads it; hidden ones it leaves out

@@ -112,12 +112,11 @@ def recording(built: BuiltModel) -> Iterator[dict[str, ModuleRecord]]:
         outputs = per_token(output, slots.shape)
         if not outputs:
             return
-        tokens, _ = rows_of(slots, outputs[0].device)
+        tokens, where = rows_of(slots, outputs[0].device)
         if not len(tokens):
             return
         rows = [t[rows_of(slots, t.device)[1]] for t in inputs]  # advanced indexing: copies, never views
-        out = outputs[0][rows_of(slots, outputs[0].device)[1]].cpu()
-        records[path].calls.append((tokens, rows, out))
+        records[path].calls.append((tokens, rows, outputs[0][where].cpu()))
 
     for path, module in built.body.named_modules(prefix="model"):
         handles.append(module.register_forward_pre_hook(lambda m, a, path=path: started(path, m)))

@@ -133,7 +133,7 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
             canonical_records = records
         elif spec.bitwise_body or differs(result, computed.results[0]):
             tables.append(divergence(canonical_records, records, cell=name, canonical_cell=cells[0]))
-        del records
+        del records  # freed before the next cell records its own
     if computed.stopped:
         return computed
     for result in computed.results:
