@@ -28,9 +28,10 @@ import torch
 
 ROOT = Path(__file__).parent.parent
 # Variables a fresh interpreter reads while importing what the server pre-imports: a command whose environment
-# changes one of them runs as a real subprocess.
+# changes one of them runs as a real subprocess. CUDA_VISIBLE_DEVICES is not one: the server forks only on a machine
+# without CUDA (``usable``), where hiding the devices hides none.
 READ_AT_IMPORT = ("TRITON_INTERPRET", "PYTHONHASHSEED", "PYTHONWARNINGS", "OMP_NUM_THREADS",
-                  "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "LD_PRELOAD", "PYTHONSAFEPATH")  # fmt: skip
+                  "MKL_NUM_THREADS", "LD_PRELOAD", "PYTHONSAFEPATH")  # fmt: skip
 # What `python -m rlsweep` and its sibling commands import before they start.
 PRELOAD = ("hydra", "omegaconf", "pandas", "pyarrow.parquet", "rlsweep.callbacks", "rlsweep.check", "rlsweep.report",
            "rlsweep.job", "rlsweep.run", "kernels")  # fmt: skip

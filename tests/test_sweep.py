@@ -11,10 +11,11 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf, open_dict
 from rlsweep_fixtures import compose_run, job_line, multirun, needs_launcher, table_file, with_fault
 
 from rlsweep import environment
-from rlsweep.callbacks import RlsweepCallback, preflight_jobs
+from rlsweep.callbacks import RlsweepCallback, preflight_jobs, reuse_compositions
 from rlsweep.causes import cause_lines, group_by_cause
 from rlsweep.check import console_summary
 from rlsweep.check import main as check_main
@@ -162,6 +163,31 @@ def test_jobs_that_spell_one_value_two_ways_stop_the_sweep_before_any_job_runs(v
         with pytest.raises(ConfigError, match=re.escape(f"job #1 (layout=smoke {values[1]}) composes the same run "
                                                         f"config as job #0 (layout=smoke {values[0]})")):  # fmt: skip
             preflight_jobs(config, [("layout=smoke", value) for value in values])
+
+
+@pytest.mark.parametrize("launcher", [None, pytest.param("hydra/launcher=joblib", marks=needs_launcher("joblib"))])
+def test_the_launcher_runs_each_job_as_its_preflight_composed_it_without_composing_it_again(monkeypatch, launcher):
+    """Hydra's sweeper and basic launcher composed every job again after the preflight had: three compositions a job.
+    They now get a copy of the preflight's, each its own; a launcher that sends the loader elsewhere does not."""
+    overrides = ["layout=smoke", *([launcher] if launcher else [])]
+    with initialize_config_module("conf", version_base="1.3"):
+        config = compose("config", overrides=overrides, return_hydra_config=True)
+        jobs = [("layout=smoke", f"tp={tp}") for tp in (1, 2)]
+        reuse_compositions(config, preflight_jobs(config, jobs))
+        loader = GlobalHydra.instance().config_loader()
+        composing = []
+        load_configuration = loader.load_configuration
+        monkeypatch.setattr(
+            loader, "load_configuration", lambda *a, **k: composing.append(1) or load_configuration(*a, **k)
+        )
+        first = loader.load_sweep_config(config, list(jobs[1]))
+        with open_dict(first):
+            first.hydra.job.num = 7  # as the launcher numbers its job: the next one asked gets a clean copy
+        again = loader.load_sweep_config(config, list(jobs[1]))
+        assert again.tp == 2 and OmegaConf.is_missing(again.hydra.job, "num")
+        assert len(composing) == (2 if launcher else 0)
+        loader.load_sweep_config(config, ["layout=smoke", "tp=4"])  # not a job of the preflight: composed
+        assert len(composing) == (3 if launcher else 1)
 
 
 @pytest.mark.parametrize(
