@@ -27,6 +27,7 @@ PROG = "rlsweep"
 if __name__ in ("__main__", "rlsweep.__main__"):
     stop_at_once(PROG)
 
+import gc
 import os
 import shlex
 import sys
@@ -149,6 +150,10 @@ def command() -> ExitCode:
 def main() -> int:
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # read by Hydra when it reports an error: re-raise it to us
     sys.argv[0] = PROG  # usage lines and shell completion name the command, not __main__.py
+    # What the imports built (torch, Triton, pandas, Hydra: ~450k objects) lives as long as the process. Frozen, the
+    # garbage collector no longer walks it in every full collection; what a run allocates is collected as before.
+    # Measured on a 2-core CPU: model=qwen3_tiny profile=hf_sdpa_cpu_bf16, 7.8 s -> 6.5 s.
+    gc.freeze()
     return run_command(PROG, command)
 
 
