@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import forkserver
+import pandas as pd
 import pytest
 import torch
 from rlsweep_fixtures import copy_outputs, heatmap_verdict, multirun, run_rlsweep, seen_verdict, table_file
@@ -279,8 +280,6 @@ def test_a_seed_sweep_is_reported_with_each_seed_against_its_own_baseline(tmp_pa
 def test_the_divergence_plot_draws_each_chunk_size_of_a_cell_as_a_line_of_its_own():
     """A sweep over layout.chunk_size has a moved chunked cell in each of its runs: one line each, not their rows
     merged into one line that zigzags between two runs' modules."""
-    import pandas as pd
-
     modules = ["model.embed_tokens", "model.layers.0.self_attn", "model.norm"]
     table = pd.DataFrame([
         {"profile": "p", "tp": 1, "chunk_size": chunk, "cell": "B1/chunked", "module": module, "order": order,
