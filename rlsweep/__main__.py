@@ -40,7 +40,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from rlsweep import CONF_DIR
-from rlsweep.callbacks import SESSION, require_callback
+from rlsweep.callbacks import SESSION, compose_mode_once, require_callback
 from rlsweep.check import gate_directory
 from rlsweep.config import register_configs, run_spec, saved_config_sha256
 from rlsweep.errors import ConfigError, RlsweepError, UsageError
@@ -135,7 +135,8 @@ def check_command_line(argv: list[str]) -> None:
 
 def command() -> ExitCode:
     check_command_line(sys.argv[1:])
-    app()
+    with compose_mode_once():
+        app()
     if SESSION.failed:  # one line each, in the launching process, whichever launcher ran the jobs; no gate
         for line in SESSION.failed.values():
             ErrorLine.say(PROG, line)

@@ -10,12 +10,14 @@ import pandas as pd
 import pytest
 import torch
 from hydra import compose, initialize_config_module
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra.core.global_hydra import GlobalHydra
+from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
 from rlsweep_fixtures import compose_run, job_line, multirun, needs_launcher, table_file, with_fault
 
 from rlsweep import environment
-from rlsweep.callbacks import RlsweepCallback, preflight_jobs, reuse_compositions
+from rlsweep.callbacks import RlsweepCallback, compose_mode_once, preflight_jobs, reuse_compositions
 from rlsweep.causes import cause_lines, group_by_cause
 from rlsweep.check import console_summary
 from rlsweep.check import main as check_main
@@ -188,6 +190,43 @@ def test_the_launcher_runs_each_job_as_its_preflight_composed_it_without_composi
         assert len(composing) == (2 if launcher else 0)
         loader.load_sweep_config(config, ["layout=smoke", "tp=4"])  # not a job of the preflight: composed
         assert len(composing) == (3 if launcher else 1)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "multirun", "compositions"),
+    [
+        (["layout=smoke"], False, 1),  # a run: Hydra's mode check, then the run's composition
+        (["layout=smoke", "tp=1,2"], True, 1),  # --multirun: a run's check refuses the sweep; the sweep's composes
+        (["sweep=ci"], False, 2),  # a config that names MULTIRUN: the run's composition is not the sweep's
+        (["layout=smoke", "hydra.mode=RUN"], False, 1),  # a mode named on the command line: nothing appended
+    ],
+)
+def test_the_command_line_composes_once_what_hydra_composes_twice_and_gets_the_same_config(
+    monkeypatch, overrides, multirun, compositions
+):
+    """Hydra composes the config to read its mode, then again (with ``hydra.mode=...`` appended where none was named)
+    for the run or the sweep's master config; ``compose_mode_once`` hands the first to the second, which must be the
+    config Hydra would have composed, hydra node and all."""
+    with initialize_config_module("conf", version_base="1.3"):
+        hydra = GlobalHydra.instance().hydra
+        named = hydra.get_mode("config", list(overrides))  # Hydra's own, as its command line runs it
+        mode = named or (RunMode.MULTIRUN if multirun else RunMode.RUN)
+        appended = [] if named else [f"hydra.mode={mode.name}"]
+        expected = OmegaConf.to_yaml(hydra.compose_config("config", [*overrides, *appended], run_mode=mode))
+        composing = []
+        compose = ConfigLoaderImpl._compose_config_from_defaults_list
+        monkeypatch.setattr(
+            ConfigLoaderImpl,
+            "_compose_config_from_defaults_list",
+            lambda *a, **k: composing.append(1) or compose(*a, **k),
+        )
+        with compose_mode_once():
+            assert hydra.get_mode("config", list(overrides)) == named
+            config = hydra.compose_config("config", [*overrides, *appended], run_mode=mode)
+        assert OmegaConf.to_yaml(config) == expected
+        assert len(composing) == compositions
+        hydra.compose_config("config", [*overrides, *appended], run_mode=mode)  # handed over once: composed again
+        assert len(composing) == compositions + 1
 
 
 @pytest.mark.parametrize(
