@@ -10,6 +10,7 @@ seed and tp (and, for a whole model, the same body). Reading from disk makes the
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -359,8 +360,8 @@ def parity_pairs(runs: Sequence[RunTables]) -> Iterable[tuple[RunTables, RunTabl
     ran alike (``body_of``): two attention implementations give other hidden states, whose difference no head bound
     covers (docs/whole_model.md).
 
-    The pair's first run is the one its rows are charged to: the first by profile name, unless only the other computed
-    active tokens of the canonical cell (``at_fault_first``)."""
+    The pair's first run is the one its rows are charged to: the one at fault (``at_fault_first``), else the first by
+    profile name."""
     groups: dict[tuple, list[RunTables]] = {}
     for run in runs:
         groups.setdefault((*sweep_group(run), run.run["tp"], run.run["tp_mode"], *body_of(run)), []).append(run)
@@ -384,9 +385,28 @@ def computed_active(run: RunTables, cell: str) -> bool:
 
 
 def at_fault_first(lhs: RunTables, rhs: RunTables, cell: str) -> tuple[RunTables, RunTables]:
-    """The pair with the run a one-sided fault is of first: where only ``lhs`` computed active tokens of ``cell``,
-    a comparison of the two fails for want of ``rhs``'s, and its rows are ``rhs``'s (run columns, run dir)."""
-    return (rhs, lhs) if computed_active(lhs, cell) and not computed_active(rhs, cell) else (lhs, rhs)
+    """The pair with the run their disagreement is of first, so their rows are its (run columns, run dir): where only
+    one computed active tokens of ``cell``, the other (a comparison fails for want of its tokens); where both did,
+    the one farther from the float64 reference both ran on the same inputs (``reference_used``: a profile's bug is
+    its own red, not its partner's); where neither is farther, the pair as given."""
+    computed = computed_active(lhs, cell), computed_active(rhs, cell)
+    if computed != (True, True):
+        return (rhs, lhs) if computed == (True, False) else (lhs, rhs)
+    tensors = [tensor for tensor in tensors_of(lhs.config) if tensor in tensors_of(rhs.config)]
+    return (rhs, lhs) if reference_used(rhs, cell, tensors) > reference_used(lhs, cell, tensors) else (lhs, rhs)
+
+
+def reference_used(run: RunTables, cell: str, tensors: Sequence[str]) -> float:
+    """The largest share of its accuracy bound that any active token of ``cell`` uses, ``|value - float64 reference|
+    / bound`` over ``tensors``: no error uses none of a bound, even of 0; a NaN uses all of it and more."""
+    tokens = run.tokens.loc[(run.tokens["cell"] == cell) & run.tokens["active"]]
+    used = 0.0
+    for tensor in tensors:
+        error = torch.from_numpy((tokens[tensor].astype("float64") - tokens[f"ref_{tensor}"]).abs().to_numpy(copy=True))
+        bound = torch.from_numpy(tokens[f"{tensor}_bound"].to_numpy(dtype="float64", copy=True))
+        share = torch.where(error == 0, 0.0, error.nan_to_num(nan=math.inf, posinf=math.inf) / bound)
+        used = max(used, float(share.nan_to_num(nan=math.inf).max()) if share.numel() else 0.0)
+    return used
 
 
 def aligned(lhs: RunTables, rhs: RunTables, cell: str) -> pd.DataFrame:

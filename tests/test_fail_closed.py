@@ -628,6 +628,23 @@ def test_a_parity_row_is_charged_to_the_run_that_computed_no_tokens(green_sweep)
     assert first is stock
 
 
+@pytest.mark.parametrize("name", ["aa_hot", "zz_hot"])
+def test_a_parity_row_is_charged_to_the_run_farther_from_the_reference_whatever_its_name(green_sweep, name):
+    # It was charged to the profile first by name: a backend off the reference by a few bounds, named after cpu_bf16,
+    # showed as cpu_bf16's red and not its own.
+    stock = min(run_gate(green_sweep).runs, key=lambda run: run.run["tp"])
+    hot = stock.tokens.assign(logp=(stock.tokens["ref_logp"] - 4 * stock.tokens["logp_bound"]).astype("float32"))
+    buggy = replace(stock, directory=stock.directory.parent / name, run={**stock.run, "profile": name, "run_id": name},
+                    tokens=hot)  # fmt: skip
+    for order in ([stock, buggy], [buggy, stock]):
+        ((lhs, rhs),) = parity_pairs(order)
+        rows = verdict_rows(lhs, backend_parity(lhs, rhs))
+        logp = [row for row in rows if row["tensor"] == "logp"]
+        assert logp and not any(row["passed"] for row in logp)
+        for row in rows:
+            assert (row["profile"], row["run_id"], row[ROW_RUN_DIR]) == (name, name, buggy.directory)
+
+
 class CellReads(pd.DataFrame):
     """A tokens table that counts how often its cell column is read (frames made from it are plain)."""
 
