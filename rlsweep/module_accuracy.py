@@ -4,7 +4,8 @@ op class (docs/contract.md#whole-model-modules).
 The inputs are the ones the module received in the run (recorded by a forward hook), so an error upstream never
 counts against a module downstream: each op is judged on its own arithmetic. Op classes: ``linear``
 (``nn.Linear``), ``rmsnorm`` (any module whose class name ends in ``RMSNorm`` with a ``weight`` and a
-``variance_epsilon``), ``rotary`` (a ``*RotaryEmbedding``'s cos and sin, against the config's RoPE base),
+``variance_epsilon``, against the config's ``rms_norm_eps`` where it names one), ``rotary`` (a ``*RotaryEmbedding``'s
+cos and sin, against the config's RoPE base),
 ``activation`` (an activation module of torch or transformers, the MLP's ``act_fn``), and ``attention``: the
 attention function transformers called (its registry's, with the query, key, value, mask and scaling it was given),
 and every softmax the dispatcher ran inside it, on the scores it received.
@@ -123,12 +124,14 @@ def linear_reference(module: torch.nn.Linear, x: torch.Tensor, y: torch.Tensor) 
     return y64, summed + half_ulp(y64.abs() + summed, y.dtype)
 
 
-def rmsnorm_reference(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rmsnorm_reference(
+    module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """y = w * (x / sqrt(mean(x^2) + eps)): float64 of it, and the bound of the normalisation in fp32 (H squares
     summed, the rsqrt and the product: gamma_{H+4} relative), its result rounded once to x's dtype, then the weight's
     product rounded once to y's dtype (half an ulp each)."""
     x64, w64 = x.double(), module.weight.double()
-    normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
+    normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
     y64 = w64 * normed
     fp32 = gamma(x.shape[-1] + 4) * normed.abs()
     narrowed = fp32 + half_ulp(normed.abs() + fp32, x.dtype)
@@ -225,10 +228,15 @@ def judge_call(built: BuiltModel, call: Call) -> tuple[str, int, float, float]:
     elif kind == "activation":
         y64, bound = activation_reference(call.module, call.args[0], call.output)
         errors = (call.output.double() - y64).abs()
-    elif kind in ("linear", "rmsnorm"):
-        reference, argument = (linear_reference, "input") if kind == "linear" else (rmsnorm_reference, "hidden_states")
-        x, y = (call.args or (call.kwargs.get(argument),))[0], call.output
-        y64, bound = reference(call.module, x, y)
+    elif kind == "linear":
+        x, y = (call.args or (call.kwargs.get("input"),))[0], call.output
+        y64, bound = linear_reference(call.module, x, y)
+        errors = (y.double() - y64).abs()
+    elif kind == "rmsnorm":
+        x, y = (call.args or (call.kwargs.get("hidden_states"),))[0], call.output
+        # The epsilon the config names, as for RoPE's base: a module that adds another one is the bug judged here.
+        eps = getattr(built.model.config, "rms_norm_eps", None)
+        y64, bound = rmsnorm_reference(call.module, x, y, call.module.variance_epsilon if eps is None else eps)
         errors = (y.double() - y64).abs()
     else:
         config = built.model.config

@@ -33,6 +33,17 @@ def rope_base_1e4() -> None:
     modeling_qwen3.Qwen3RotaryEmbedding.forward = forward
 
 
+def norm_eps_1e3() -> None:
+    """RMSNorm's epsilon 1e-3 where the config says 1e-6 (a fork that hard-codes another model's value)."""
+    stock = modeling_qwen3.Qwen3RMSNorm.forward
+
+    def forward(self, x):
+        self.variance_epsilon = 1e-3
+        return stock(self, x)
+
+    modeling_qwen3.Qwen3RMSNorm.forward = forward
+
+
 def attention_swapped() -> None:
     """A plugin that registers its own function under "sdpa": the config still says sdpa."""
 
@@ -104,7 +115,7 @@ def linear_left_stock() -> None:
 
 BUGS = {
     bug.__name__: bug
-    for bug in (norms_in_bf16, rope_base_1e4, attention_swapped, softmax_in_bf16, silu_in_bf16, mlp_batch_scaled,
-                attention_split_from_length, linear_left_stock)
+    for bug in (norms_in_bf16, norm_eps_1e3, rope_base_1e4, attention_swapped, softmax_in_bf16, silu_in_bf16,
+                mlp_batch_scaled, attention_split_from_length, linear_left_stock)
 }  # fmt: skip
 BUGS[os.environ["RLSWEEP_BODY_BUG"]]()

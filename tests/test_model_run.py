@@ -134,6 +134,7 @@ def test_a_checks_table_that_lost_a_whole_model_row_is_not_what_its_config_plans
     ("bug", "profile", "judgment", "tensor"),
     [
         ("norms_in_bf16", "hf_eager_cpu_bf16", "module_accuracy", "rmsnorm"),
+        ("norm_eps_1e3", "hf_eager_cpu_bf16", "module_accuracy", "rmsnorm"),
         ("rope_base_1e4", "hf_eager_cpu_bf16", "module_accuracy", "rotary"),
         ("attention_swapped", "cpu_bf16", "provenance", "body"),
         ("mlp_batch_scaled", "hf_eager_cpu_bf16", "forward_invariance", "logp"),
@@ -152,7 +153,11 @@ def test_realistic_body_bugs_are_red_by_a_margin(tmp_path, bug, profile, judgmen
     assert ((failed.judgment == judgment) & (failed.tensor == tensor)).any(), failed[["judgment", "tensor"]]
     if judgment == "module_accuracy":
         modules = failed[failed.judgment == judgment]
-        assert set(modules.tensor) == {tensor} and modules.value.min() > 1.5, modules.detail.tolist()
+        # The epsilon moves a norm's output by a fraction of a bf16 ulp (1e-3 / 2 relative): over the bound in every
+        # norm, by less than the other bugs (docs/contract.md#whole-model-modules).
+        margin = 1.0 if bug == "norm_eps_1e3" else 1.5
+        assert set(modules.tensor) == {tensor} and modules.value.min() > margin, modules.detail.tolist()
+        assert bug != "norm_eps_1e3" or "9 module(s), 9 over their bound" in modules.detail.iloc[0]
     if bug == "mlp_batch_scaled":
         first = tables(tmp_path)["divergence"].query("first_diverging")
         assert set(first.module) == {"model.layers.0.mlp"} and set(first.cell) == {"BN/pad_right", "decode"}
