@@ -7,7 +7,8 @@ counts against a module downstream: each op is judged on its own arithmetic. Op 
 ``variance_epsilon``, against the config's ``rms_norm_eps`` where it names one), ``rotary`` (a ``*RotaryEmbedding``'s
 cos and sin, against the config's RoPE base),
 ``activation`` (an activation module of torch or transformers, the MLP's ``act_fn``), and ``attention``: the
-attention function transformers called (its registry's, with the query, key, value, mask and scaling it was given),
+attention function transformers called (its registry's, with the query, key, value and mask it was given, scaled as
+the config implies),
 and every softmax the dispatcher ran inside it, on the scores it received.
 """
 
@@ -17,6 +18,7 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import pandas as pd
 import torch
@@ -169,11 +171,23 @@ def softmax_reference(x: torch.Tensor, dim: int, y: torch.Tensor) -> tuple[torch
     return p64, slack + half_ulp(p64 + slack, y.dtype), rows
 
 
-def attention_reference(module: torch.nn.Module, args: tuple, kwargs: dict, output: torch.Tensor):
+def config_scaling(config: Any, head_dim: int) -> float:
+    """The scale of attention's scores that a model's config implies: its ``query_pre_attn_scalar`` ** -0.5 (Gemma),
+    its ``attention_multiplier`` (Granite), else 1 / sqrt(head_dim) of the query (Llama, Qwen3 and most others)."""
+    scalar = getattr(config, "query_pre_attn_scalar", None)
+    if scalar is not None:
+        return float(scalar) ** -0.5
+    multiplier = getattr(config, "attention_multiplier", None)
+    return float(multiplier) if multiplier is not None else head_dim**-0.5
+
+
+def attention_reference(module: torch.nn.Module, args: tuple, kwargs: dict, output: torch.Tensor, config: Any):
     """o = softmax(scaling q k^T + mask) v of one attention function call (query [B, Hq, L, D], key and value
     [B, Hkv, S, D] repeated over the query heads they serve, the mask 4D bool (True: attend) or additive, or none:
     causal), in float64 on the inputs it was given, against its output [B, L, Hq, D]; the bound and the rows that
-    count (a query row with no key to attend, padding, has no attention to judge).
+    count (a query row with no key to attend, padding, has no attention to judge). The scaling is the one the
+    model's config implies (``config_scaling``), not the one the call was given: as for RoPE's base, a model that
+    scales its scores otherwise is the bug judged here.
 
     The bound admits what attention kernels do in practice: the scores q k^T summed in fp32 and rounded to the input
     dtype, and scaled in it (eager; a fused kernel keeps them in fp32); the softmax in fp32, its probabilities rounded
@@ -181,8 +195,7 @@ def attention_reference(module: torch.nn.Module, args: tuple, kwargs: dict, outp
     moves p_j by at most p_j (exp(e_j + E) - 1), E = log sum_k p_k exp(e_k) (the normaliser moves by at most E)."""
     query, key, value = (args[i] if len(args) > i else kwargs[name] for i, name in enumerate(("query", "key", "value")))
     mask = args[3] if len(args) > 3 else kwargs.get("attention_mask")
-    scaling = kwargs.get("scaling")
-    scaling = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    scaling = config_scaling(config, query.shape[-1])
     groups = query.shape[1] // key.shape[1]
     q64 = query.double()
     k64, v64 = (t.double().repeat_interleave(groups, dim=1) for t in (key, value))
@@ -223,7 +236,7 @@ def judge_call(built: BuiltModel, call: Call) -> tuple[str, int, float, float]:
         if "dim" in call.kwargs:  # a softmax inside the attention function, on the scores it received
             y64, bound, rows = softmax_reference(call.args[0], call.kwargs["dim"], output)
         else:
-            y64, bound, rows = attention_reference(call.module, call.args, call.kwargs, output)
+            y64, bound, rows = attention_reference(call.module, call.args, call.kwargs, output, built.model.config)
         errors = (output.double() - y64).abs()
     elif kind == "activation":
         y64, bound = activation_reference(call.module, call.args[0], call.output)

@@ -44,6 +44,17 @@ def norm_eps_1e3() -> None:
     modeling_qwen3.Qwen3RMSNorm.forward = forward
 
 
+def scores_over_head_dim() -> None:
+    """Attention's scores scaled by 1 / head_dim instead of 1 / sqrt(head_dim) (the module's ``scaling``)."""
+    stock = modeling_qwen3.Qwen3Attention.__init__
+
+    def init(self, config, layer_idx):
+        stock(self, config, layer_idx)
+        self.scaling = self.head_dim**-1.0
+
+    modeling_qwen3.Qwen3Attention.__init__ = init
+
+
 def attention_swapped() -> None:
     """A plugin that registers its own function under "sdpa": the config still says sdpa."""
 
@@ -115,7 +126,7 @@ def linear_left_stock() -> None:
 
 BUGS = {
     bug.__name__: bug
-    for bug in (norms_in_bf16, norm_eps_1e3, rope_base_1e4, attention_swapped, softmax_in_bf16, silu_in_bf16,
-                mlp_batch_scaled, attention_split_from_length, linear_left_stock)
+    for bug in (norms_in_bf16, norm_eps_1e3, rope_base_1e4, scores_over_head_dim, attention_swapped, softmax_in_bf16,
+                silu_in_bf16, mlp_batch_scaled, attention_split_from_length, linear_left_stock)
 }  # fmt: skip
 BUGS[os.environ["RLSWEEP_BODY_BUG"]]()
