@@ -62,19 +62,17 @@ def test_the_float64_gold_is_the_gradient_gradcheck_finds():
     assert torch.autograd.gradcheck(lambda a, b: loss(a, b).sum(), (h, w))
 
 
-# Backends whose backward is the model's algorithm (docs/contract.md, "Gradient rows"), and aten where it is too
-# (fp32 on the CPU: no narrower rounding). At bf16, stock autograd rounds more often than the model allows, and at
-# fp32 on CUDA its d weight left the model in 1 of 200 random inputs (by 1.21x): findings, not tolerances to widen.
+# Backends whose backward is the model's algorithm (docs/contract.md, "Gradient rows"). Stock autograd (aten) is not:
+# it rounds the logits' gradient of the logp and lse paths separately, so where the two upstream gradients nearly
+# cancel its d weight leaves the model: at bf16 often, at fp32 in about 1 of 300 random inputs on the CPU (by up to
+# 3x) and 1 of 200 on CUDA. Findings, not tolerances to widen.
 WITHIN_MODEL = [(backend, dtype) for backend in INVARIANT for dtype in (torch.bfloat16, torch.float32)]
-WITHIN_MODEL += [("aten", torch.float32)]
 
 
 @pytest.mark.parametrize(("backend", "dtype"), WITHIN_MODEL)
 @pytest.mark.parametrize("tp", [1, 3])
 def test_gradients_are_within_the_rounding_model_of_float64(backend, dtype, tp, device, make_inputs):
     skip_unless_runnable(backend, device)
-    if backend == "aten" and device != "cpu":
-        pytest.skip("stock autograd on CUDA leaves the model on rare inputs (docs/contract.md, Gradient rows)")
     inp = make_inputs(13, HIDDEN, VOCAB, dtype, device)
     inp.targets[4] = kernels.IGNORE_INDEX
     up_logp, up_lse = upstream(13, device, inp.seed)
