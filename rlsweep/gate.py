@@ -30,7 +30,7 @@ from rlsweep.contract import Contract, contract_from_mapping, op_class
 from rlsweep.discovery import discover, enclosing_sweep, lexical, part_of_a_sweep
 from rlsweep.errors import ContractError, OutputDirError, TablesNotFoundError
 from rlsweep.exitcodes import ExitCode, combine, one_line
-from rlsweep.hf_model import DEFAULT_ATTENTION
+from rlsweep.hf_model import body_attention
 from rlsweep.judgments import apply_expected, compare_tokens, declaration_verdict
 from rlsweep.manifest import MANIFEST_FILE, canonical_sha256, input_paths, read_manifest, verify_run
 from rlsweep.planned import plan_problems
@@ -372,11 +372,11 @@ def parity_pairs(runs: Sequence[RunTables]) -> Iterable[tuple[RunTables, RunTabl
 
 
 def body_of(run: RunTables) -> tuple[Any, Any]:
-    """How a whole model's body ran: its profile's body_attention (a head profile's null: the body ran
-    DEFAULT_ATTENTION) and body_packing, as the run's resolved config holds them (a head's runs hold the schema's
-    defaults, which nothing reads, so they group alike)."""
+    """How a whole model's body ran: its profile's body_attention as the run resolved it (``hf_model.body_attention``:
+    a head profile's null ran DEFAULT_ATTENTION) and body_packing, as the run's resolved config holds them (a head's
+    runs hold the schema's defaults, which nothing reads, so they group alike)."""
     profile = run.config.get("profile") or {}
-    return profile.get("body_attention") or DEFAULT_ATTENTION, profile.get("body_packing")
+    return body_attention(profile.get("body_attention")), profile.get("body_packing")
 
 
 def computed_active(run: RunTables, cell: str) -> bool:

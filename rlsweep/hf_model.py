@@ -37,6 +37,14 @@ ATTENTION = ("eager", "sdpa", "invariant")
 STOCK_ATTENTION = ("eager", "sdpa")
 # What a whole model's body runs behind a head profile, one that names no body_attention (profile=cpu_bf16).
 DEFAULT_ATTENTION = "sdpa"
+
+
+def body_attention(named: str | None) -> str:
+    """The attention a whole model's body runs for a profile's ``body_attention``: the one it names, else
+    DEFAULT_ATTENTION (a head profile's null)."""
+    return named or DEFAULT_ATTENTION
+
+
 # Bodies that claim every module's output bitwise equal in every cell: their runs judge each cell's modules too
 # (``forward_invariance`` of tensor ``modules``), not the logprobs alone.
 BITWISE_BODIES = ("invariant",)

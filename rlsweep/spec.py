@@ -29,7 +29,7 @@ from rlsweep.contract import (
 )
 from rlsweep.errors import ConfigError
 from rlsweep.exitcodes import exit_site
-from rlsweep.hf_model import ATTENTION, BITWISE_BODIES, DEFAULT_ATTENTION, GEOMETRY, PACKING, WholeModelSpec
+from rlsweep.hf_model import ATTENTION, BITWISE_BODIES, GEOMETRY, PACKING, WholeModelSpec, body_attention
 from rlsweep.synthetic import check_seed
 from rlsweep.verdicts import DECLARABLE, FORWARD_TENSORS, GRADIENT_TENSORS, Judgment, Tensor
 
@@ -212,7 +212,8 @@ class ProfileSpec:
     required_nodes: Mapping[str, str] = field(default_factory=dict)  # op node -> backend id
     backend_module: str | None = None  # a module to import first: it registers backend_family (docs/extending.md)
     # A whole-model profile's attention implementation (hf_model.ATTENTION); None: a head profile, behind which a
-    # whole model's body runs DEFAULT_ATTENTION (parse_run_spec resolves it, and refuses a body for a head alone).
+    # whole model's body runs hf_model.DEFAULT_ATTENTION (parse_run_spec resolves it by hf_model.body_attention, and
+    # refuses a body for a head alone).
     body_attention: str | None = None
     body_packing: str = "confined"  # how BN/packed confines attention (unconfined: the packing negative control)
     tensors: tuple[str, ...] = FORWARD_TENSORS  # the forward tensors the backend computes, each judged
@@ -566,8 +567,8 @@ def parse_run_spec(config: Mapping[str, Any], *, contract_file: str, profile_fil
             f"{model.name!r} is a head alone (no model.body): nothing would run that body; choose a whole model "
             "(model=qwen3_tiny, say), or a profile that names no body (profile=cpu_bf16, say)"
         )
-    if body is not None and profile_spec.body_attention is None:
-        profile_spec = replace(profile_spec, body_attention=DEFAULT_ATTENTION)
+    if body is not None:
+        profile_spec = replace(profile_spec, body_attention=body_attention(profile_spec.body_attention))
     # Every shard a run of whole tiles: ranks past the real vocab own padding only, which merges as the identity.
     sharding = kernels.ShardingSpec.even(model.vocab_size, profile_spec.vocab_tile, tp)
     contract_document = config["contract"]
