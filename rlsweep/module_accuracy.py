@@ -94,7 +94,7 @@ def recording_calls(built: BuiltModel) -> Iterator[list[Call]]:
         with SoftmaxRecorder() as softmaxes:
             output = function(module, *args, **kwargs)
         path = f"{paths.get(module, type(module).__name__)}.attention_function"
-        keep(path, module, args, kwargs | {"scaling": kwargs.get("scaling")}, output)
+        keep(path, module, args, kwargs, output)
         calls[-1].kind = "attention"
         for x, dim, y in softmaxes.calls:
             calls.append(Call(f"{path}.softmax", module, (x,), {"dim": dim}, y, kind="attention"))
