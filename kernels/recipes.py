@@ -4,9 +4,10 @@ A ``LogitsLogprob`` backend (``kernels.backend``) gives only ``logits_logprob``;
 (docs/extending.md):
 - ``matmul``: the backend's ``lm_head(hidden, weight)`` where it has one, else the stock matmul;
 - tp = 1: one call over the whole vocab, recorded as both the ``logprob`` and the ``tp_merge`` node;
-- tp > 1: one call per rank over its shard, whose lse is the rank's partial (one segment: ``(lse, 1)``) and whose
-  target logit is read from the owner's logits; the ``tp_merge`` node is one more call, over each row's shard lses,
-  whose lse is the row's. So the user writes nothing for tp > 1, and the merge is the user's own reduction.
+- tp > 1: one call per rank over its shard, whose lse is the rank's partial (one segment: ``(lse, 1)``) and, on
+  the rank that owns a row's target, whose logp plus lse is the target logit; the ``tp_merge`` node is one more
+  call, over each row's shard lses, whose lse is the row's. So the user writes nothing for tp > 1, the merge is the
+  user's own reduction, and what the function does to the target is judged at every tp.
 Every record is made here, from the tensor the backend returned and what the dispatcher saw (``call_node``).
 
 A ``HeadLogprob`` backend (a library's fused head, ``head_logprob``) is one call from hidden states to logp, recorded
@@ -20,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kernels.backend import HeadLogprob, LogitsLogprob, ShardPartials, gather_target_logit, stock_matmul
+from kernels.backend import HeadLogprob, LogitsLogprob, ShardPartials, stock_matmul
 from kernels.errors import KernelInputError, ShapeMismatchError, TPConfigError
 from kernels.provenance import NodeProvenance, observe
 from kernels.sharding import ShardingSpec
@@ -102,15 +103,17 @@ def whole_vocab_node(
 def shard_partials_node(
     impl: LogitsLogprob, logits: torch.Tensor, local_targets: torch.Tensor, owned: torch.Tensor, sharding: ShardingSpec
 ) -> tuple[ShardPartials, NodeProvenance]:
-    """tp > 1, one rank: the shard's lse as its one segment ``(lse, 1)``, the target logit an exact copy from the
-    owner's logits; a shard without real columns is the identity ``(-inf, 0)``, the function not called."""
+    """tp > 1, one rank: the shard's lse as its one segment ``(lse, 1)``, and on the rank that owns a row's target the
+    target logit as the function computed it, its logp plus its lse over the shard (so its own gather and log-softmax
+    are judged at every tp, not at tp = 1 alone); a shard without real columns is the identity ``(-inf, 0)``, the
+    function not called."""
     rows = logits.shape[0]
     if logits.shape[1] == 0:
         maxes = logits.new_full((rows, 1), float("-inf"), dtype=torch.float32)
         partials = ShardPartials(maxes, torch.zeros_like(maxes), maxes.new_zeros((rows,)), owned)
         return partials, observe("logprob", impl.id, maxes, segments="per_shard")
-    _, lse = logits_logprob(impl, logits, local_targets)
-    target = gather_target_logit(logits.to(lse.dtype), local_targets, owned)
+    logp, lse = logits_logprob(impl, logits, local_targets)
+    target = torch.where(owned, logp.to(lse.dtype) + lse, torch.zeros_like(lse))
     partials = ShardPartials(lse[:, None], torch.ones_like(lse)[:, None], target, owned)
     return partials, observe("logprob", impl.id, lse, segments="per_shard")
 

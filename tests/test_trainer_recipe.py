@@ -67,6 +67,34 @@ def test_at_tp_above_one_the_merge_is_the_users_function_over_the_shard_lses(mak
     assert calls == [(ROWS, 16), (ROWS, 16), (ROWS, 8), (ROWS, 4)]
 
 
+class TargetShifted(LogSoftmaxTrainer):
+    """A realistic gather bug: each row reads the previous row's target (a label shift done twice)."""
+
+    def logits_logprob(self, logits, targets):
+        _, lse = super().logits_logprob(logits, targets)
+        shifted = targets.roll(1)
+        return torch.log_softmax(logits.float(), -1).gather(-1, shifted[:, None]).squeeze(-1), lse
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_what_the_function_does_to_the_target_is_in_its_logp_at_every_tp(make_inputs, tp):
+    """The owner's target logit is the function's own logp plus its shard lse, so a wrong gather is as wrong at
+    tp > 1 as at tp = 1 (were the harness to read the target from the logits, the bug would vanish at tp > 1)."""
+    inp = make_inputs(ROWS, HIDDEN, VOCAB, torch.float32, "cpu")
+    logits = inp.hidden.double() @ inp.weight.double().T
+    lse = torch.logsumexp(logits, -1)
+    expected = logits.gather(1, inp.targets.roll(1)[:, None]).squeeze(1) - lse  # what the bug computes at tp = 1
+    right = logits.gather(1, inp.targets[:, None]).squeeze(1) - lse
+    result = kernels.lm_head_logprob(
+        inp.hidden, inp.weight, inp.targets, backend=register(TargetShifted), tp=tp, vocab_tile=TILE
+    )
+    if tp == 1:
+        torch.testing.assert_close(result.logp.double(), expected, rtol=0, atol=1e-5)
+    # At tp > 1 a shard holds its own local targets, so a shifted row reads another column of the owner's shard (a
+    # row may land on its own target by chance): other values than at tp = 1, as wrong, far past any tolerance.
+    assert (result.logp.double() - right).abs().max() > 0.1
+
+
 def test_a_class_with_no_complete_recipe_is_refused_when_registered():
     class HalfWritten:
         def matmul(self, hidden, weight): ...
