@@ -118,6 +118,12 @@ class Completed:
 WITHOUT_CUDA = {"CUDA_VISIBLE_DEVICES": ""}
 
 
+def import_path(*directories: Path | str) -> str:
+    """A PYTHONPATH of ``directories`` ahead of the caller's own (where Hydra itself may come from one, as on the GPU
+    machine): replacing it would leave the run unable to import what this process imports."""
+    return os.pathsep.join([*(str(d) for d in directories), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def run_rlsweep(
     directory: Path, *overrides: str, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> Completed:
@@ -146,7 +152,10 @@ def tables_left(directory: Path) -> list[str]:
 
 def needs_launcher(name: str) -> pytest.MarkDecorator:
     """Skip where Hydra's ``name`` launcher plugin is missing (the test extras install it; a GPU image may not)."""
-    missing = importlib.util.find_spec(f"hydra_plugins.hydra_{name}_launcher") is None
+    try:  # find_spec of a submodule imports its parent: with no Hydra plugin at all, hydra_plugins is missing too
+        missing = importlib.util.find_spec(f"hydra_plugins.hydra_{name}_launcher") is None
+    except ModuleNotFoundError:
+        missing = True
     return pytest.mark.skipif(missing, reason=f"hydra-{name}-launcher is not installed (pip install -e '.[test]')")
 
 

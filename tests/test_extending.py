@@ -10,7 +10,7 @@ from pathlib import Path
 import forkserver
 import pandas as pd
 import pytest
-from rlsweep_fixtures import compose_run, suite_overrides
+from rlsweep_fixtures import compose_run, import_path, suite_overrides
 
 from rlsweep.config import run_spec
 from rlsweep.errors import ConfigError
@@ -25,7 +25,7 @@ def rlsweep(
 ) -> subprocess.CompletedProcess:
     """``python -m rlsweep --config-dir <config_dir> ... --multirun`` with ``modules`` (tests/) on the import path."""
     args = ["--config-dir", str(config_dir), f"hydra.sweep.dir={directory}", *suite_overrides(overrides), "--multirun"]
-    env = {"PYTHONPATH": os.pathsep.join([str(modules), os.environ.get("PYTHONPATH", "")])}
+    env = {"PYTHONPATH": import_path(modules)}
     return forkserver.run("-m", "rlsweep", args, env=env, cwd=TESTS.parent, timeout=600)
 
 

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from rlsweep_fixtures import multirun, run_rlsweep
+from rlsweep_fixtures import import_path, multirun, run_rlsweep
 
 from rlsweep.gate import DIVERGENCE_PNG, load_run, run_gate
 from rlsweep.planned import plan_problems
@@ -146,7 +146,7 @@ def test_a_checks_table_that_lost_a_whole_model_row_is_not_what_its_config_plans
     ],
 )
 def test_realistic_body_bugs_are_red_by_a_margin(tmp_path, bug, profile, judgment, tensor):
-    env = {"PYTHONPATH": str(TESTS), "RLSWEEP_BODY_BUG": bug}
+    env = {"PYTHONPATH": import_path(TESTS), "RLSWEEP_BODY_BUG": bug}
     bodies = "profile.backend_module=bug_bodies"
     done = run_rlsweep(tmp_path, MODEL, f"profile={profile}", bodies, SMALL, env=env)
     assert done.returncode == 2, done.stderr[-3000:]
@@ -295,7 +295,7 @@ def test_the_invariant_body_is_bitwise_in_every_model_cell_and_its_trainer_match
     ],
 )
 def test_an_invariant_body_that_varies_with_the_call_or_left_a_stock_op_is_red(tmp_path, bug, workload, judgment):
-    env = {"PYTHONPATH": str(TESTS), "RLSWEEP_BODY_BUG": bug}
+    env = {"PYTHONPATH": import_path(TESTS), "RLSWEEP_BODY_BUG": bug}
     done = run_rlsweep(tmp_path, MODEL, "profile=invariant_body_cpu_bf16", "profile.backend_module=bug_bodies",
                        "layout.cells=[BN/packed,B1/full]", workload, env=env)  # fmt: skip
     assert done.returncode == 2, done.stderr[-3000:]
