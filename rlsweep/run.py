@@ -6,7 +6,6 @@ import contextlib
 import json
 import logging
 import os
-import sys
 import warnings
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -46,7 +45,7 @@ from rlsweep.model_run import compute_whole_model
 from rlsweep.planned import plan_problems
 from rlsweep.records import checks_table, divergence_table, tokens_table
 from rlsweep.sensitivity import refuse_blind_inputs
-from rlsweep.spec import EXECUTION_DTYPES, ProfileSpec, RunSpec
+from rlsweep.spec import EXECUTION_DTYPES, ProfileSpec, RunSpec, interpret_triton_on_cpu
 from rlsweep.tables import (
     CHECKS_TABLE,
     DIVERGENCE_TABLE,
@@ -103,9 +102,8 @@ def prepare_backend(profile: ProfileSpec) -> None:
     Where triton was already imported in the other mode (a sweep mixing CPU and CUDA Triton profiles in one
     process on a GPU machine), the backend says so and the run's provenance is red, never a silent fallback.
     """
+    interpret_triton_on_cpu(profile.backend_family, profile.device)
     if getattr(kernels.BACKENDS.get(profile.backend_family), "runs_triton", False) and profile.device == "cpu":
-        if "triton" not in sys.modules:
-            os.environ.setdefault("TRITON_INTERPRET", "1")
         # The interpreter evaluates masked (-inf) lanes too and warns about them; the kernel masks the results.
         warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import fnmatch
 import importlib
+import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -547,6 +549,7 @@ def parse_run_spec(config: Mapping[str, Any], *, contract_file: str, profile_fil
         )
     if profile.get("backend_module") is not None:
         check_name("profile.backend_module", profile["backend_module"], "null, or the module that registers it")
+        interpret_triton_on_cpu(profile.get("backend_family"), profile.get("device"))  # the module may import triton
         import_backend(profile["name"], profile["backend_module"])
     tp = config.get("tp", 1)
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -676,6 +679,15 @@ def build(cls: type, values: Mapping[str, Any], where: str, **parsed: Any) -> An
     names = [f.name for f in fields(cls)]
     kwargs = {name: tuple(v) if isinstance(v, list) else v for name, v in values.items() if name in names}
     return cls(**(kwargs | parsed))
+
+
+def interpret_triton_on_cpu(backend_family: Any, device: Any) -> None:
+    """Triton runs on CPU tensors only in its interpreter, which is chosen when triton is first imported: for a
+    registered backend that runs Triton on the CPU, turn it on while nothing has imported triton yet (on a GPU machine
+    too). A backend module not yet imported is not known to run Triton: it is judged when its kernels run."""
+    backend = kernels.BACKENDS.get(backend_family) if isinstance(backend_family, str) else None
+    if getattr(backend, "runs_triton", False) and device == "cpu" and "triton" not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def import_backend(profile: str, module: str) -> None:
