@@ -194,6 +194,21 @@ def small_sweep(tmp_path_factory) -> Path:
     return sweep_dir
 
 
+@pytest.fixture(scope="session")
+def report_dir(small_sweep, tmp_path_factory) -> Path:
+    """The shared sweep's report (``python -m rlsweep.report``), written elsewhere so the sweep dir stays as the
+    multirun left it; read by the report tests and opened by the browser test."""
+    import forkserver
+
+    from rlsweep.gate import run_gate
+
+    out = tmp_path_factory.mktemp("report")
+    done = forkserver.run("-m", "rlsweep.report", [str(small_sweep), "--out", str(out)], timeout=120)
+    assert done.returncode == run_gate(small_sweep).exit_code == 2, done.stdout + done.stderr  # the control's reds
+    assert "-> RED" in done.stdout
+    return out
+
+
 def contract_row(judgment: str, tensor: str, dtype: torch.dtype, op_class: str | None = None) -> dict:
     """The shipped contract's row for ``judgment`` (docs/contract.md), read as plain YAML: the kernel tests take
     their thresholds from the contract without importing rlsweep. ``op_class``: for rows keyed by one."""

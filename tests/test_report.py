@@ -10,7 +10,6 @@ import platform
 import re
 from pathlib import Path
 
-import forkserver
 import pandas as pd
 import pytest
 import torch
@@ -40,16 +39,6 @@ pytestmark = pytest.mark.xdist_group("small_sweep")
 
 DATA_URI = re.compile(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"')
 DETAILS = re.compile(r"<details><summary>(.*?)</summary>(.*?)</details>", re.S)
-
-
-@pytest.fixture(scope="module")
-def report_dir(small_sweep, tmp_path_factory):
-    """The report of the shared sweep, written elsewhere so the sweep dir stays as the multirun left it."""
-    out = tmp_path_factory.mktemp("report")
-    done = forkserver.run("-m", "rlsweep.report", [str(small_sweep), "--out", str(out)], timeout=120)
-    assert done.returncode == run_gate(small_sweep).exit_code == 2, done.stdout + done.stderr
-    assert "-> RED" in done.stdout
-    return out
 
 
 def test_report_files_exist_and_the_html_embeds_every_plot(report_dir):

@@ -19,7 +19,7 @@ import torch
 from rlsweep_fixtures import heatmap_verdict, seen_verdict
 
 from rlsweep import analysis, plots
-from rlsweep.report import PLOTS, RED_GROUPS, REPORT_HTML, main, red_verdicts
+from rlsweep.report import PLOTS, RED_GROUPS, REPORT_HTML, red_verdicts
 from rlsweep.verdicts import Outcome
 
 # One worker builds the shared small_sweep (conftest) once and runs every test that reads it.
@@ -58,18 +58,16 @@ def browser_ready() -> None:
 
 
 @pytest.fixture(scope="module")
-def page(browser_ready, small_sweep, tmp_path_factory, console_errors):
-    """The shared sweep's report.html opened in headless Chromium."""
+def page(browser_ready, report_dir, console_errors):
+    """The shared sweep's report.html (conftest's ``report_dir``) opened in headless Chromium."""
     from playwright.sync_api import sync_playwright
 
-    out = tmp_path_factory.mktemp("browser_report")
-    assert main([str(small_sweep), "--out", str(out)]) == 2  # RED: the control's reds are not declared
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         opened = browser.new_page(viewport={"width": 1280, "height": 900})
         opened.on("console", lambda message: message.type == "error" and console_errors.append(message.text))
         opened.on("pageerror", lambda error: console_errors.append(str(error)))
-        opened.goto((out / REPORT_HTML).as_uri(), wait_until="load")
+        opened.goto((report_dir / REPORT_HTML).as_uri(), wait_until="load")
         yield opened
         browser.close()
 
