@@ -45,7 +45,7 @@ from rlsweep.model_run import compute_whole_model
 from rlsweep.planned import plan_problems
 from rlsweep.records import checks_table, divergence_table, tokens_table
 from rlsweep.sensitivity import refuse_blind_inputs
-from rlsweep.spec import EXECUTION_DTYPES, ProfileSpec, RunSpec, interpret_triton_on_cpu
+from rlsweep.spec import EXECUTION_DTYPES, ProfileSpec, RunSpec, interpret_triton_on_cpu, runs_triton_on_cpu
 from rlsweep.tables import (
     CHECKS_TABLE,
     DIVERGENCE_TABLE,
@@ -103,7 +103,7 @@ def prepare_backend(profile: ProfileSpec) -> None:
     process on a GPU machine), the backend says so and the run's provenance is red, never a silent fallback.
     """
     interpret_triton_on_cpu(profile.backend_family, profile.device)
-    if getattr(kernels.BACKENDS.get(profile.backend_family), "runs_triton", False) and profile.device == "cpu":
+    if runs_triton_on_cpu(profile.backend_family, profile.device):
         # The interpreter evaluates masked (-inf) lanes too and warns about them; the kernel masks the results.
         warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
 

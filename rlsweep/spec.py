@@ -681,12 +681,18 @@ def build(cls: type, values: Mapping[str, Any], where: str, **parsed: Any) -> An
     return cls(**(kwargs | parsed))
 
 
+def runs_triton_on_cpu(backend_family: Any, device: Any) -> bool:
+    """Whether a registered backend runs Triton kernels and the profile puts them on the CPU. A backend module not yet
+    imported is not known to run Triton."""
+    backend = kernels.BACKENDS.get(backend_family) if isinstance(backend_family, str) else None
+    return bool(getattr(backend, "runs_triton", False)) and device == "cpu"
+
+
 def interpret_triton_on_cpu(backend_family: Any, device: Any) -> None:
     """Triton runs on CPU tensors only in its interpreter, which is chosen when triton is first imported: for a
-    registered backend that runs Triton on the CPU, turn it on while nothing has imported triton yet (on a GPU machine
-    too). A backend module not yet imported is not known to run Triton: it is judged when its kernels run."""
-    backend = kernels.BACKENDS.get(backend_family) if isinstance(backend_family, str) else None
-    if getattr(backend, "runs_triton", False) and device == "cpu" and "triton" not in sys.modules:
+    backend that runs Triton on the CPU (``runs_triton_on_cpu``), turn it on while nothing has imported triton yet
+    (on a GPU machine too). Otherwise the backend is judged when its kernels run."""
+    if runs_triton_on_cpu(backend_family, device) and "triton" not in sys.modules:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 

@@ -83,13 +83,13 @@ def test_what_the_function_does_to_the_target_is_in_its_logp_at_every_tp(make_in
     inp = make_inputs(ROWS, HIDDEN, VOCAB, torch.float32, "cpu")
     logits = inp.hidden.double() @ inp.weight.double().T
     lse = torch.logsumexp(logits, -1)
-    expected = logits.gather(1, inp.targets.roll(1)[:, None]).squeeze(1) - lse  # what the bug computes at tp = 1
     right = logits.gather(1, inp.targets[:, None]).squeeze(1) - lse
     result = kernels.lm_head_logprob(
         inp.hidden, inp.weight, inp.targets, backend=register(TargetShifted), tp=tp, vocab_tile=TILE
     )
-    if tp == 1:
-        torch.testing.assert_close(result.logp.double(), expected, rtol=0, atol=1e-5)
+    if tp == 1:  # exactly what the bug computes
+        shifted = logits.gather(1, inp.targets.roll(1)[:, None]).squeeze(1) - lse
+        torch.testing.assert_close(result.logp.double(), shifted, rtol=0, atol=1e-5)
     # At tp > 1 a shard holds its own local targets, so a shifted row reads another column of the owner's shard (a
     # row may land on its own target by chance): other values than at tp = 1, as wrong, far past any tolerance.
     assert (result.logp.double() - right).abs().max() > 0.1
