@@ -325,39 +325,44 @@ def outermost_launches(
     there are no more of them than that). Nesting is read from each CPU event's thread and interval, as torch's own
     event tree reads it, without building that tree: it costs seconds for a body's tens of thousands of ops
     (``torch.autograd.profiler.profile.function_events``)."""
-    events = list(events)
     cpu = torch.autograd.DeviceType.CPU
-    counted = Counter(event.name() for event in events if event.device_type() == cpu)
-    hiding = {
-        *(COMPILING if sum(counted[name] for name in COMPILING) <= compiled_frames else ()),
-        *((BOOKKEEPING,) if counted[BOOKKEEPING] == bookkeeping_ranges else ()),
-    }
+    hiders = COMPILING | {BOOKKEEPING}  # hide what they enclose only if their count allows (``hiding`` below)
+    counted: Counter[str] = Counter()
     launches: dict[str, KernelLaunch | None] = {}
     by_thread: dict[int, list[tuple[int, int, str]]] = {}
-    for event in events:
+    for event in events:  # one pass, each event's name read once: a body's profile holds tens of thousands
         name = event.name()
         if name not in launches:
             launches[name] = observed_launch(name)
-        if launches[name] is None and name not in hiding:
+        if launches[name] is None and name not in hiders:
             continue  # neither kept nor hiding what it encloses: it changes nothing below
-        if event.device_type() != cpu or event.is_async():
+        if event.device_type() != cpu:
+            continue
+        if name in hiders:
+            counted[name] += 1
+        if event.is_async():
             continue
         if event.start_thread_id() != event.end_thread_id() or getattr(event, "is_hidden_event", bool)():
             continue  # an event on two threads is async, as torch's tree reads it; hidden ones it leaves out
         by_thread.setdefault(event.start_thread_id(), []).append((event.start_ns(), event.end_ns(), name))
+    hiding = {
+        *(COMPILING if sum(counted[name] for name in COMPILING) <= compiled_frames else ()),
+        *((BOOKKEEPING,) if counted[BOOKKEEPING] == bookkeeping_ranges else ()),
+    }
     kept: list[tuple[int, KernelLaunch]] = []
     for spans in by_thread.values():
-        enclosing: list[int] = []  # the ends of the open kept or compiling events around the current one
+        enclosing: list[int] = []  # the ends of the open kept or hiding events around the current one
         for start, end, name in sorted(spans, key=lambda span: (span[0], -span[1])):
+            launch = launches[name]
+            if launch is None and name not in hiding:
+                continue  # a range whose count says it is not rlsweep's own: it hides nothing
             while enclosing and enclosing[-1] <= start:
                 enclosing.pop()
             if enclosing:
                 continue
-            launch = launches[name]
             if launch is not None:
                 kept.append((start, launch))
-            if launch is not None or name in hiding:
-                enclosing.append(end)
+            enclosing.append(end)
     return [launch for _, launch in sorted(kept, key=lambda item: item[0])]
 
 
