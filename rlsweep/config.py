@@ -24,7 +24,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from rlsweep import CONF_DIR
 from rlsweep.discovery import check_distinct_jobs
 from rlsweep.errors import ConfigError, RlsweepError
-from rlsweep.manifest import config_text_sha256
+from rlsweep.manifest import config_text_sha256, plain_yaml
 from rlsweep.spec import RunSpec, parse_run_spec
 from rlsweep.unread import ABSENT, CONDITIONAL_KEYS, refuse_unread, value_at
 
@@ -214,7 +214,7 @@ def shipped_file(path: Path) -> dict[str, Any]:
     """A shipped config file's keys (its defaults list and hydra node aside); {} where there is no such file."""
     if not path.is_file():
         return {}
-    document = yaml.safe_load(path.read_text()) or {}
+    document = plain_yaml(path.read_text()) or {}
     return {key: value for key, value in document.items() if key not in ("defaults", "hydra")}
 
 
@@ -293,5 +293,33 @@ def job_list(record: dict[str, Any], where: str, config_loader: ConfigLoader) ->
 
 
 def register_configs() -> None:
-    """Make the schema available to Hydra as ``run_schema`` (first entry of conf/config.yaml's defaults)."""
+    """Make the schema available to Hydra as ``run_schema`` (first entry of conf/config.yaml's defaults), and have
+    OmegaConf parse Hydra's config files with libyaml (``parse_with_libyaml``)."""
     ConfigStore.instance().store(name="run_schema", node=RunConfig)
+    parse_with_libyaml()
+
+
+def parse_with_libyaml() -> None:
+    """OmegaConf's YAML loader (``omegaconf._utils.get_yaml_loader``, which every ``OmegaConf.load`` of a Hydra
+    composition asks for) on libyaml's parser, where PyYAML was built with it: the same loader class otherwise (its
+    duplicate-key refusal, its float and timestamp resolution, which run after the parser), so the same configs: a
+    run's composition took 107 ms instead of 138 on a 2-core CPU (docs/benchmarks.md#cpu-the-test-suite)."""
+    from omegaconf import _utils
+
+    parser = getattr(getattr(yaml, "cyaml", None), "CParser", None)
+    if parser is None or getattr(_utils.get_yaml_loader, "libyaml", False):
+        return
+    omegaconf_loader = _utils.get_yaml_loader()
+
+    class LibyamlLoader(parser, omegaconf_loader):
+        def __init__(self, stream: Any) -> None:
+            parser.__init__(self, stream)
+            yaml.constructor.SafeConstructor.__init__(self)
+            yaml.resolver.Resolver.__init__(self)
+
+    def get_yaml_loader() -> type:
+        return LibyamlLoader
+
+    get_yaml_loader.libyaml = True
+    get_yaml_loader.replaced = _utils.get_yaml_loader  # OmegaConf's own, which tests compare it with
+    _utils.get_yaml_loader = get_yaml_loader

@@ -20,7 +20,7 @@ import yaml
 import kernels
 from rlsweep import CONF_DIR
 from rlsweep.errors import ContractError, RlsweepError
-from rlsweep.manifest import canonical_sha256
+from rlsweep.manifest import SAFE_LOADER, canonical_sha256
 from rlsweep.mismatch import ALIAS_OF, BY_NAME, METRIC_NAMES, ActiveTokens
 from rlsweep.verdicts import FORWARD_TENSORS, GRADIENT_TENSORS, Judgment, Tensor
 
@@ -240,7 +240,7 @@ def default_contract_path(name: str = DEFAULT_CONTRACT) -> Path:
     return CONF_DIR / "contract" / f"{name}.yaml"
 
 
-class ContractLoader(yaml.SafeLoader):
+class ContractLoader(SAFE_LOADER):
     """YAML as the contract's readers write it: ``5e-5`` is a float, as when Hydra composes the same file."""
 
 

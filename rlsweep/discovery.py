@@ -20,7 +20,15 @@ import yaml
 
 from rlsweep.errors import ConfigError, OutputDirError, UnreadablePathError
 from rlsweep.listing import Listing, list_tree, os_reason, present, readable_text
-from rlsweep.manifest import HYDRA_CONFIG, MANIFEST_FILE, canonical_sha256, read_manifest, table_files, verify_run
+from rlsweep.manifest import (
+    HYDRA_CONFIG,
+    MANIFEST_FILE,
+    canonical_sha256,
+    plain_yaml,
+    read_manifest,
+    table_files,
+    verify_run,
+)
 from rlsweep.tables import (
     PARTITION_NAME,
     RUN_TABLES,
@@ -70,7 +78,7 @@ def hydra_sweep_record(sweep_dir: Path) -> dict[str, Any]:
     """What Hydra's ``multirun.yaml`` says the sweep's jobs are expanded from: the sweeper's params, the overrides."""
     path = sweep_dir / MULTIRUN_FILE
     try:
-        hydra = yaml.safe_load(readable_text(path))["hydra"]
+        hydra = plain_yaml(readable_text(path))["hydra"]
         return {"params": hydra["sweeper"]["params"], "task": hydra["overrides"]["task"]}
     except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError) as err:
         raise TableError(
@@ -121,7 +129,7 @@ def job_overrides(run_dir: Path) -> tuple[str, ...] | None:
     cannot be read is an ``UnreadablePathError``: which job the dir is of is unknown, not "none"."""
     path = run_dir / JOB_OVERRIDES
     try:
-        overrides = yaml.safe_load(readable_text(path))
+        overrides = plain_yaml(readable_text(path))
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return None
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+import yaml
 from rlsweep_fixtures import WITHOUT_CUDA, compose_run, execute_run, run_rlsweep, tables_left, write_replay
 from safetensors.torch import save_file
 
@@ -392,6 +393,24 @@ def test_every_checked_in_config_parses(overrides, tmp_path):
     if spec.model.body is not None:  # a whole model's head has its config's sizes
         fields = spec.model.body.config_fields()
         assert (spec.model.hidden_size, spec.model.vocab_size) == (fields["hidden_size"], fields["vocab_size"])
+
+
+@pytest.mark.skipif(not yaml.__with_libyaml__, reason="PyYAML without libyaml: OmegaConf's own loader is kept")
+def test_hydra_reads_every_config_file_with_libyaml_as_omegaconfs_own_loader_reads_it():
+    from omegaconf import _utils
+
+    fast, own = _utils.get_yaml_loader(), _utils.get_yaml_loader.replaced()
+    assert issubclass(fast, yaml.cyaml.CParser) and own.__name__ in [base.__name__ for base in fast.__mro__]
+    files = sorted(CONF.rglob("*.yaml")) + sorted((Path(__file__).parent / "toy_conf").rglob("*.yaml"))
+    assert len(files) > 40
+    for path in files:
+        text = path.read_text()
+        assert yaml.load(text, Loader=fast) == yaml.load(text, Loader=own), path
+    for text in ("a: 1\nb: 2\na: 3\n", "x: {y: 1, y: 2}\n"):  # OmegaConf refuses a repeated key; so does this
+        for loader in (fast, own):
+            with pytest.raises(yaml.constructor.ConstructorError, match="duplicate key"):
+                yaml.load(text, Loader=loader)
+    assert yaml.load("x: 1e-5\nwhen: 2021-01-01\n", Loader=fast) == {"x": 1e-05, "when": "2021-01-01"}
 
 
 def test_unwritable_tables_dir_is_a_usage_error(tmp_path):
