@@ -80,6 +80,8 @@ def module_accuracy_verdicts(table: pd.DataFrame, cell: str, roles: tuple[str, s
                 f"max |error| {worst.max_abs_error:.3g} against float64 of the module, {worst.bound_used:.3g} of its "
                 "bound (docs/contract.md#whole-model-modules)"
             )
+            if math.isfinite(worst.get("scale_error", math.nan)):  # an attention function's (its bound includes it)
+                detail += f"; its scores' scale off by {worst.scale_error:+.2e} relative to the config's"
             verdict = Verdict(Judgment.MODULE_ACCURACY, kind, *roles, cell, cell, metric="bound_used",
                               value=float(worst.bound_used), threshold=1.0, passed=failing == 0,
                               detail=detail)  # fmt: skip

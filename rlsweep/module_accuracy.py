@@ -28,7 +28,14 @@ from kernels.rounding import FP32_UNIT_ROUNDOFF, gamma, half_ulp
 from rlsweep.hf_model import BuiltModel
 from rlsweep.model_cells import TRAINER_CELL, TokenWorkload, cell_hidden, watching_attention
 
-ACCURACY_COLUMNS = ("module", "module_class", "op_class", "elements", "max_abs_error", "bound_used", "passed")
+ACCURACY_COLUMNS = ("module", "module_class", "op_class", "elements", "max_abs_error", "scale_error", "bound_used",
+                    "passed")  # fmt: skip
+# How far an attention's effective score scale may sit from the config's (``scale_error``): the scale rounded once to
+# the input dtype (u: 2^-8 relative for bf16) and folded with other constants in fp32 (log2(e) for exp2, a square
+# root split between q and k: SCALE_FP32_ROUNDINGS roundings of u_fp32), plus SCALE_SIGMAS standard errors of its
+# estimate from the module's errors.
+SCALE_FP32_ROUNDINGS = 8
+SCALE_SIGMAS = 8.0
 
 
 ACTIVATION_MODULES = ("torch.nn.modules.activation", "transformers.activations")  # where activation classes live
@@ -224,19 +231,47 @@ def attention_reference(module: torch.nn.Module, args: tuple, kwargs: dict, outp
     carried_out = (summed @ v64.abs()).transpose(1, 2)
     bound = carried_out + half_ulp(o64.abs() + carried_out, output.dtype)
     rows = allowed.expand(p64.shape).any(-1)[..., None].expand((*p64.shape[:-1], value.shape[-1])).transpose(1, 2)
-    return o64, bound, rows
+    # d o / d ln(scaling): how the output moves as the scores' scale does (the mask's additive part does not scale).
+    scaled = (scaling * (q64 @ k64.transpose(-1, -2))).masked_fill(~allowed, 0)
+    centred = scaled - (p64 * scaled).sum(-1, keepdim=True)
+    slope = ((p64 * centred) @ v64).transpose(1, 2)
+    return o64, bound, rows, slope
 
 
-def judge_call(built: BuiltModel, call: Call) -> tuple[str, int, float, float]:
-    """(op class, elements, max |error|, the largest error / bound) of one recorded call."""
+def scale_error(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> tuple[float, float]:
+    """An attention module's effective score scale relative to the config's, less 1 (beta), and the share of its
+    tolerance it uses, from ``parts``: per query row of each call, (sum of error * slope, sum of slope^2) over the
+    row's outputs (error = output - float64, slope = d o / d ln(scaling): ``attention_reference``). beta is the least
+    squares fit of the errors along the slope; rounding scatters them with no preferred direction, a scale off by
+    beta moves every row along its slope. The tolerance: the unit roundoff of ``dtype`` (a kernel may round its scale
+    to the input dtype once), a few fp32 roundings, plus SCALE_SIGMAS standard errors of beta (rows as the independent
+    units: a row's outputs share its probabilities' roundings). A worst-case bound cannot see this bug: a scale off
+    by 1 % moves attention's output by less than the bf16 scores and probabilities its bound admits
+    (docs/contract.md#whole-model-modules)."""
+    along, norm = (torch.cat(part) for part in zip(*parts, strict=True))
+    total = float(norm.sum())
+    if total <= 0 or not bool(torch.isfinite(along).all()):
+        return math.nan, 0.0  # no row whose output the scale moves, or a non-finite output (judged by its bound)
+    beta = float(along.sum()) / total
+    sigma = float((along - beta * norm).pow(2).sum().sqrt()) / total
+    rounded = half_ulp(torch.ones((), dtype=torch.float64), dtype).item() + SCALE_FP32_ROUNDINGS * FP32_UNIT_ROUNDOFF
+    return beta, abs(beta) / (rounded + SCALE_SIGMAS * sigma)
+
+
+def judge_call(built: BuiltModel, call: Call) -> tuple[str, int, float, float, tuple | None]:
+    """(op class, elements, max |error|, the largest error / bound, and for an attention function's call its rows'
+    parts of ``scale_error``) of one recorded call."""
     kind = call.kind or op_class(call.module)
-    rows = None
+    rows, scale = None, None
     if kind == "attention":
         output = call.output[0] if isinstance(call.output, tuple) else call.output
         if "dim" in call.kwargs:  # a softmax inside the attention function, on the scores it received
             y64, bound, rows = softmax_reference(call.args[0], call.kwargs["dim"], output)
         else:
-            y64, bound, rows = attention_reference(call.module, call.args, call.kwargs, output, built.model.config)
+            config = built.model.config
+            y64, bound, rows, slope = attention_reference(call.module, call.args, call.kwargs, output, config)
+            signed, slope = (torch.where(rows, t, torch.zeros_like(t)) for t in (output.double() - y64, slope))
+            scale = ((signed * slope).sum(-1).flatten(), slope.pow(2).sum(-1).flatten())
         errors = (output.double() - y64).abs()
     elif kind == "activation":
         y64, bound = activation_reference(call.module, call.args[0], call.output)
@@ -273,24 +308,32 @@ def judge_call(built: BuiltModel, call: Call) -> tuple[str, int, float, float]:
     used = torch.where(errors == 0, torch.zeros_like(used), used)
     # A NaN or infinite output (or a NaN error) uses all of any bound: it never passes, and max() never drops it.
     used = torch.where(torch.isfinite(errors), used, torch.full_like(used, math.inf))
-    return kind, errors.numel(), float(errors.nan_to_num(nan=math.inf).max()), float(used.max())
+    return kind, errors.numel(), float(errors.nan_to_num(nan=math.inf).max()), float(used.max()), scale
 
 
 def module_accuracy(built: BuiltModel, workload: TokenWorkload, cell: str = TRAINER_CELL) -> pd.DataFrame:
     """One row per judged module of the body in ``cell``: its op class, elements judged, largest |error| against
-    float64 of the module on its own inputs, and the largest share of its bound used (passed: at most 1), over all
-    of its calls in the cell."""
+    float64 of the module on its own inputs, an attention function's ``scale_error`` (NaN for the others), and the
+    largest share of its bound used (passed: at most 1), over all of its calls in the cell; an attention function's
+    share of its scale tolerance counts as a share of its bound."""
     with recording_calls(built) as calls:
         cell_hidden(built, workload, cell)
     rows: dict[str, dict] = {}
+    scales: dict[str, tuple[list, torch.dtype]] = {}
     for call in calls:
-        kind, elements, max_error, used = judge_call(built, call)
+        kind, elements, max_error, used, scale = judge_call(built, call)
         first = {"module": call.path, "module_class": type(call.module).__name__, "op_class": kind, "elements": 0,
-                 "max_abs_error": 0.0, "bound_used": 0.0}  # fmt: skip
+                 "max_abs_error": 0.0, "scale_error": math.nan, "bound_used": 0.0}  # fmt: skip
         row = rows.setdefault(call.path, first)
         row["elements"] += elements
         row["max_abs_error"] = max(row["max_abs_error"], max_error)
         row["bound_used"] = max(row["bound_used"], used)
+        if scale is not None:
+            scales.setdefault(call.path, ([], call.args[0].dtype))[0].append(scale)
+    for path, (parts, dtype) in scales.items():
+        beta, used = scale_error(parts, dtype)
+        rows[path]["scale_error"] = beta
+        rows[path]["bound_used"] = max(rows[path]["bound_used"], used)
     table = pd.DataFrame(list(rows.values()), columns=list(ACCURACY_COLUMNS[:-1]))
     table["passed"] = table.bound_used <= 1.0  # a non-finite output's row holds inf (judge_call)
     return table

@@ -55,6 +55,17 @@ def scores_over_head_dim() -> None:
     modeling_qwen3.Qwen3Attention.__init__ = init
 
 
+def scores_scaled_1pct() -> None:
+    """Attention's scores 1 % hotter than the config implies (a temperature folded into the module's ``scaling``)."""
+    stock = modeling_qwen3.Qwen3Attention.__init__
+
+    def init(self, config, layer_idx):
+        stock(self, config, layer_idx)
+        self.scaling = 1.01 * self.head_dim**-0.5
+
+    modeling_qwen3.Qwen3Attention.__init__ = init
+
+
 def attention_swapped() -> None:
     """A plugin that registers its own function under "sdpa": the config still says sdpa."""
 
@@ -126,7 +137,8 @@ def linear_left_stock() -> None:
 
 BUGS = {
     bug.__name__: bug
-    for bug in (norms_in_bf16, norm_eps_1e3, rope_base_1e4, scores_over_head_dim, attention_swapped, softmax_in_bf16,
+    for bug in (norms_in_bf16, norm_eps_1e3, rope_base_1e4, scores_over_head_dim, scores_scaled_1pct, attention_swapped,
+                softmax_in_bf16,
                 silu_in_bf16, mlp_batch_scaled, attention_split_from_length, linear_left_stock)
 }  # fmt: skip
 BUGS[os.environ["RLSWEEP_BODY_BUG"]]()

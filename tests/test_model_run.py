@@ -137,6 +137,7 @@ def test_a_checks_table_that_lost_a_whole_model_row_is_not_what_its_config_plans
         ("norm_eps_1e3", "hf_eager_cpu_bf16", "module_accuracy", "rmsnorm"),
         ("rope_base_1e4", "hf_eager_cpu_bf16", "module_accuracy", "rotary"),
         ("scores_over_head_dim", "hf_sdpa_cpu_bf16", "module_accuracy", "attention"),
+        ("scores_scaled_1pct", "hf_sdpa_cpu_bf16", "module_accuracy", "attention"),
         ("attention_swapped", "cpu_bf16", "provenance", "body"),
         ("mlp_batch_scaled", "hf_eager_cpu_bf16", "forward_invariance", "logp"),
         ("silu_in_bf16", "hf_eager_cpu_bf16", "module_accuracy", "activation"),

@@ -252,6 +252,20 @@ def test_every_module_is_within_its_op_class_bound_and_realistic_body_bugs_are_r
     # 0.04 - 0.16 of it, so a softmax computed in bf16 is caught by the body's provenance, not here.
     assert (stock.bound_used[~elementwise] > 0.02).all(), stock
     assert (stock.elements > 0).all() and list(stock.columns) == list(ACCURACY_COLUMNS)
+    # Each attention function's effective score scale, fitted from its errors: the config's, to well under a bf16 ulp.
+    functions = stock.module.str.endswith(".attention_function")
+    assert functions.sum() == 2 and (stock.scale_error[functions].abs() < 2**-10).all(), stock
+    assert stock.scale_error[~functions].isna().all()
+    # Scores 1 % hotter than the config implies: inside the worst-case bound, red by the scale's fit, which finds 1 %.
+    hot = build_model(spec(), dtype=torch.bfloat16, attention="eager")
+    for module in hot.body.modules():
+        if type(module).__name__ == "Qwen3Attention":
+            module.scaling *= 1.01
+    table = module_accuracy(hot, workload).set_index("module")
+    attention = table[table.index.str.endswith(".attention_function")]
+    assert (~attention.passed).all() and attention.bound_used.min() > 1.5, attention
+    assert ((attention.scale_error - 0.01).abs() < 0.001).all(), attention
+    assert table[table.op_class != "attention"].passed.all()
     buggy = build_model(spec(), dtype=torch.bfloat16, attention="eager")
     norms_in_bf16(buggy)
     table = module_accuracy(buggy, workload).set_index("module")
