@@ -15,7 +15,7 @@ and every softmax the dispatcher ran inside it, on the scores it received.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -159,10 +159,41 @@ def rotary_angles(position_ids: torch.Tensor, theta: float, dim: int) -> tuple[t
     return angles, (math.log(theta) + 8) * FP32_UNIT_ROUNDOFF * angles.abs()
 
 
-def activation_reference(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
-    """y = act(x) elementwise: the same module in float64, and the bound of its evaluation in fp32 (a few
-    transcendental and arithmetic ops: 16 u_fp32 of |x| + |y|), its result rounded once to y's dtype."""
-    y64 = module(x.double())
+GELU_TANH = lambda x: 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))  # noqa: E731
+# The activations a config's ``hidden_act`` names, in float64 (transformers' ACT2FN names; its tanh GELUs are one
+# function): what an MLP's act_fn is judged against, whatever module the model put there.
+CONFIG_ACTIVATIONS = {
+    "silu": lambda x: x * torch.sigmoid(x),
+    "swish": lambda x: x * torch.sigmoid(x),
+    "gelu": lambda x: 0.5 * x * (1 + torch.erf(x / math.sqrt(2))),
+    "gelu_python": lambda x: 0.5 * x * (1 + torch.erf(x / math.sqrt(2))),
+    "gelu_new": GELU_TANH,
+    "gelu_fast": GELU_TANH,
+    "gelu_pytorch_tanh": GELU_TANH,
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "relu": torch.relu,
+    "relu2": lambda x: torch.relu(x) ** 2,
+    "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
+}
+
+
+def config_activation(config: Any, path: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The float64 activation an MLP's ``act_fn`` (``path`` ending in ``.act_fn``) must compute: the one its config's
+    ``hidden_act`` names (``CONFIG_ACTIVATIONS``); None where the module is no MLP's act_fn or the config names none of
+    those (the module's own then)."""
+    name = getattr(config, "hidden_act", None)
+    if not path.endswith(".act_fn") or not isinstance(name, str):
+        return None
+    return CONFIG_ACTIVATIONS.get(name)
+
+
+def activation_reference(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+                         function: Callable[[torch.Tensor], torch.Tensor] | None = None):  # fmt: skip
+    """y = act(x) elementwise: ``function`` (the config's activation, ``config_activation``), else the same module, in
+    float64, and the bound of its evaluation in fp32 (a few transcendental and arithmetic ops: 16 u_fp32 of
+    |x| + |y|), its result rounded once to y's dtype."""
+    y64 = (function or module)(x.double())
     slack = 16 * FP32_UNIT_ROUNDOFF * (x.double().abs() + y64.abs())
     return y64, slack + half_ulp(y64.abs() + slack, y.dtype)
 
@@ -274,7 +305,8 @@ def judge_call(built: BuiltModel, call: Call) -> tuple[str, int, float, float, t
             scale = ((signed * slope).sum(-1).flatten(), slope.pow(2).sum(-1).flatten())
         errors = (output.double() - y64).abs()
     elif kind == "activation":
-        y64, bound = activation_reference(call.module, call.args[0], call.output)
+        function = config_activation(built.model.config, call.path)
+        y64, bound = activation_reference(call.module, call.args[0], call.output, function)
         errors = (call.output.double() - y64).abs()
     elif kind == "linear":
         x, y = (call.args or (call.kwargs.get("input"),))[0], call.output

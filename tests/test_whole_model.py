@@ -266,6 +266,14 @@ def test_every_module_is_within_its_op_class_bound_and_realistic_body_bugs_are_r
     assert (~attention.passed).all() and attention.bound_used.min() > 1.5, attention
     assert ((attention.scale_error - 0.01).abs() < 0.001).all(), attention
     assert table[table.op_class != "attention"].passed.all()
+    # An MLP that runs GELU where the config says SiLU: judged against the config's activation, not the module's own.
+    gelu = build_model(spec(), dtype=torch.bfloat16, attention="eager")
+    for module in gelu.body.modules():
+        if hasattr(module, "act_fn"):
+            module.act_fn = torch.nn.GELU()
+    table = module_accuracy(gelu, workload)
+    activations = table[table.op_class == "activation"]
+    assert len(activations) == 2 and (~activations.passed).all() and activations.bound_used.min() > 100, activations
     buggy = build_model(spec(), dtype=torch.bfloat16, attention="eager")
     norms_in_bf16(buggy)
     table = module_accuracy(buggy, workload).set_index("module")
