@@ -215,6 +215,28 @@ class Seq:
 # The logical token index of each [batch row, position] of the body call in progress (-1: padding or a filler):
 # what rlsweep.divergence's hooks read to put a module's output rows back in logical order.
 CURRENT_SLOTS: ContextVar[torch.Tensor | None] = ContextVar("model_slots", default=None)
+# The logical token of each key the body call in progress attends over [batch row, key] (-1: padding or a filler):
+# the call's own tokens after those its KV cache holds from the cell's earlier calls.
+CURRENT_KEY_SLOTS: ContextVar[torch.Tensor | None] = ContextVar("model_key_slots", default=None)
+# The first logical token of each logical token's sequence [T], while a cell runs: what it may attend back to.
+SEQUENCE_STARTS: ContextVar[torch.Tensor | None] = ContextVar("model_sequence_starts", default=None)
+CACHED_SLOTS = "rlsweep_slots"  # the attribute of a cell's KV cache holding the logical tokens of its keys
+
+
+def layout_allowed(queries: int, keys: int) -> torch.Tensor | None:
+    """[B, 1, queries, keys] bool (True: attend) of the body call in progress: what its layout lets each query row
+    attend to, whatever mask the call built. A query token attends to the keys of its own sequence up to its own
+    position; a padding or filler row to nothing (it is not judged). The keys are the last ``keys`` of the call's key
+    slots (a sliding-window cache keeps the most recent). None outside a cell, or where the slots do not cover the
+    call (``queries`` other than the call's positions, fewer key slots than keys)."""
+    query_slots, key_slots, starts = CURRENT_SLOTS.get(), CURRENT_KEY_SLOTS.get(), SEQUENCE_STARTS.get()
+    if query_slots is None or key_slots is None or starts is None:
+        return None
+    if query_slots.shape[1] != queries or key_slots.shape[1] < keys:
+        return None
+    q, k = query_slots[:, :, None], key_slots[:, None, -keys:] if keys else key_slots[:, None, :0]
+    first = starts[q.clamp(min=0)]
+    return ((q >= 0) & (k >= 0) & (k <= q) & (k >= first))[:, None]
 
 
 def body_hidden(built: BuiltModel, slots: torch.Tensor, **inputs) -> torch.Tensor:
@@ -223,13 +245,19 @@ def body_hidden(built: BuiltModel, slots: torch.Tensor, **inputs) -> torch.Tenso
     ``past_key_values``, which 5.24 still takes with a warning; a name the body ignores would drop the cache)."""
     device = built.head_weight.device
     moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    key_slots = slots
     if "cache" in moved:
-        moved[cache_keyword(built.body)] = moved.pop("cache")
-    token = CURRENT_SLOTS.set(slots)
+        cache = moved.pop("cache")
+        cached = getattr(cache, CACHED_SLOTS, None)
+        key_slots = slots if cached is None else torch.cat([cached, slots], dim=1)
+        setattr(cache, CACHED_SLOTS, key_slots)
+        moved[cache_keyword(built.body)] = cache
+    tokens = CURRENT_SLOTS.set(slots), CURRENT_KEY_SLOTS.set(key_slots)
     try:
         return built.body(**moved).last_hidden_state
     finally:
-        CURRENT_SLOTS.reset(token)
+        CURRENT_SLOTS.reset(tokens[0])
+        CURRENT_KEY_SLOTS.reset(tokens[1])
 
 
 def cache_keyword(body: torch.nn.Module) -> str:
@@ -410,6 +438,18 @@ def layout_hidden(built: BuiltModel, workload: TokenWorkload, cell: str, chunk_s
     sequences = [Seq(ids, start) for ids, start in zip(workload.sequences, starts, strict=True)]
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ConfigError(f"chunk_size={chunk_size!r}: tokens per chunk, an int >= 1")
+    first = torch.cat([torch.full((n,), start, dtype=torch.int64) for n, start in zip(workload.seq_lens, starts,
+                                                                                      strict=True)])  # fmt: skip
+    token = SEQUENCE_STARTS.set(first)  # on the CPU, as the slots
+    try:
+        return run_layout(built, sequences, workload, cell, chunk_size)
+    finally:
+        SEQUENCE_STARTS.reset(token)
+
+
+def run_layout(built: BuiltModel, sequences: list[Seq], workload: TokenWorkload, cell: str,
+               chunk_size: int) -> list[torch.Tensor]:  # fmt: skip
+    """The body over ``sequences`` as the cell named ``cell`` calls it (``layout_hidden``)."""
     cells = {
         "BN/packed": lambda: packed(built, sequences),
         "BN/pad_right": lambda: padded(built, sequences, "right"),

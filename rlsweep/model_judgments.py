@@ -19,6 +19,7 @@ MODULES = "modules"  # the tensor column of a bitwise body's per-cell module inv
 END_TO_END = "end_to_end"  # the tensor column of the reported end-to-end error row
 # rlsweep.module_accuracy's op classes: one verdict each
 MODULE_OP_CLASSES = ("linear", "rmsnorm", "rotary", "activation", "attention")
+ATTENTION = "attention"  # the op class judged in every cell, against what the cell's layout lets it see
 # A profile's body_attention -> the attention function transformers must call, and the ops (any one of them) it must
 # reach: a dispatcher op, or the invariant body's Triton kernel (compiled, or its interpreter form).
 ATTENTION_RAN = {
@@ -62,12 +63,13 @@ def body_provenance_verdict(cell: str, declared: str, attention: Sequence[str], 
                    detail="; ".join([*problems, detail]))  # fmt: skip
 
 
-def module_accuracy_verdicts(table: pd.DataFrame, cell: str, roles: tuple[str, str]) -> list[Verdict]:
-    """One verdict per op class of ``MODULE_OP_CLASSES`` over the modules ``rlsweep.module_accuracy.module_accuracy``
-    judged in ``cell``: the largest share of its bound any module used (at most 1 passes); an op class of which no
-    module ran is red (nothing was judged)."""
+def module_accuracy_verdicts(table: pd.DataFrame, cell: str, roles: tuple[str, str],
+                             kinds: tuple[str, ...] = MODULE_OP_CLASSES) -> list[Verdict]:  # fmt: skip
+    """One verdict per op class of ``kinds`` over the modules ``rlsweep.module_accuracy.module_accuracy`` judged in
+    ``cell``: the largest share of its bound any module used (at most 1 passes); an op class of which no module ran
+    is red (nothing was judged)."""
     verdicts = []
-    for kind in MODULE_OP_CLASSES:
+    for kind in kinds:
         rows = table[table.op_class == kind]
         verdict = Verdict(Judgment.MODULE_ACCURACY, kind, *roles, cell, cell, metric="bound_used", value=math.nan,
                           threshold=1.0, passed=False,

@@ -9,6 +9,7 @@ rows of every module of the body (``rlsweep.divergence``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -31,13 +32,14 @@ from rlsweep.model_cells import (
     token_workload,
 )
 from rlsweep.model_judgments import (
+    ATTENTION,
     body_provenance_verdict,
     end_to_end_verdict,
     module_accuracy_verdicts,
     module_invariance_verdict,
     trainer_rollout_verdicts,
 )
-from rlsweep.module_accuracy import end_to_end_error, module_accuracy
+from rlsweep.module_accuracy import accuracy_table, attention_calls, end_to_end_error, module_accuracy
 from rlsweep.spec import DECODE_PARITY_ROLES, EXECUTION_DTYPES, RunSpec
 from rlsweep.tables import DIVERGENCE_COLUMNS
 from rlsweep.verdicts import Judgment, Verdict
@@ -103,8 +105,11 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
     for number, name in enumerate(cells, start=1):
         log.info("cell %d/%d %s: the body, then the head", number, len(cells), name)
         # Every module is recorded in the same pass (its copies left out of the provenance), for the divergence rows
-        # of a cell that moves, or of every cell for a body that claims every module bitwise.
-        with recording(built) as records, observing_body(built) as seen:
+        # of a cell that moves, or of every cell for a body that claims every module bitwise; so is every attention
+        # call of a cell after the first, judged against what the cell's layout lets it see (the canonical cell's
+        # modules, attention included, are judged below in a pass of their own).
+        attending = attention_calls(built) if number > 1 else contextlib.nullcontext([])
+        with recording(built) as records, observing_body(built) as seen, attending as attention:
             hidden = torch.cat(cell_hidden(built, tokens, name, chunk_size=spec.layout.chunk_size))
         observed["body"][name] = seen
         verdicts.append(body_provenance_verdict(name, profile.body_attention, seen["attention"], seen["kernels"]))
@@ -129,6 +134,11 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
         reference = run_reference(cell, workload, weight, nothing, spec.sharding.vocab_tile)
         computed.results.append(result)
         computed.golds.append(CellGold(reference, workload, standard))
+        if number > 1:
+            roles = contract.roles_for(Judgment.FORWARD_ACCURACY)
+            attention_table = accuracy_table(built, attention)
+            verdicts += module_accuracy_verdicts(attention_table, name, roles, kinds=(ATTENTION,))
+        del attention
         if number == 1:
             canonical_records = records
         elif spec.bitwise_body or differs(result, computed.results[0]):

@@ -24,9 +24,17 @@ import pandas as pd
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kernels.launches import bookkeeping
 from kernels.rounding import FP32_UNIT_ROUNDOFF, gamma, half_ulp
 from rlsweep.hf_model import BuiltModel
-from rlsweep.model_cells import TRAINER_CELL, TokenWorkload, cell_hidden, watching_attention
+from rlsweep.model_cells import (
+    CURRENT_SLOTS,
+    TRAINER_CELL,
+    TokenWorkload,
+    cell_hidden,
+    layout_allowed,
+    watching_attention,
+)
 
 ACCURACY_COLUMNS = ("module", "module_class", "op_class", "elements", "max_abs_error", "scale_error", "bound_used",
                     "passed")  # fmt: skip
@@ -68,6 +76,7 @@ class Call:
     kwargs: dict
     output: object
     kind: str | None = None  # the op class; None: op_class(module)
+    layout: torch.Tensor | None = None  # an attention function's: what its cell's layout lets each query attend to
 
 
 class SoftmaxRecorder(TorchDispatchMode):
@@ -102,7 +111,7 @@ def recording_calls(built: BuiltModel) -> Iterator[list[Call]]:
             output = function(module, *args, **kwargs)
         path = f"{paths.get(module, type(module).__name__)}.attention_function"
         keep(path, module, args, kwargs, output)
-        calls[-1].kind = "attention"
+        calls[-1].kind, calls[-1].layout = "attention", call_layout(args, kwargs)
         for x, dim, y in softmaxes.calls:
             calls.append(Call(f"{path}.softmax", module, (x,), {"dim": dim}, y, kind="attention"))
         return output
@@ -118,6 +127,52 @@ def recording_calls(built: BuiltModel) -> Iterator[list[Call]]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+def attention_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    """(query, key, value, attention mask) of an attention function's call, positional or by keyword."""
+    query, key, value = (args[i] if len(args) > i else kwargs[name] for i, name in enumerate(("query", "key", "value")))
+    return query, key, value, args[3] if len(args) > 3 else kwargs.get("attention_mask")
+
+
+def call_layout(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """What the cell's layout lets each query row of this attention call attend to (``layout_allowed``)."""
+    query, key, _, _ = attention_inputs(args, kwargs)
+    return layout_allowed(query.shape[2], key.shape[2])
+
+
+@contextmanager
+def attention_calls(built: BuiltModel) -> Iterator[list[Call]]:
+    """Every call of the attention function while the block runs, with its inputs, output and layout (as
+    ``recording_calls`` keeps them; the copies are rlsweep's bookkeeping, left out of an observed provenance): what
+    ``accuracy_table`` judges in each cell. Entered inside ``rlsweep.model_cells.observing_body``, whose watch of the
+    attention function then still sees the function transformers chose."""
+    calls: list[Call] = []
+    paths = {module: path for path, module in built.body.named_modules(prefix="model")}
+
+    def attention(function, module: torch.nn.Module, args: tuple, kwargs: dict):
+        output = function(module, *args, **kwargs)
+        with bookkeeping():
+            layout, batch = call_layout(args, kwargs), attention_inputs(args, kwargs)[0].shape[0]
+            # Only the batch rows that hold a judged token are kept: a needle's row, not its hundreds of fillers.
+            rows = None if layout is None else (CURRENT_SLOTS.get() >= 0).any(dim=1).nonzero()[:, 0]
+
+            def copy(value: Any) -> Any:
+                if not isinstance(value, torch.Tensor):
+                    return value
+                if rows is not None and value.dim() and value.shape[0] == batch:  # the call's batch dim
+                    return value.detach()[rows.to(value.device)]
+                return value.detach().clone()
+
+            out = tuple(copy(o) for o in output) if isinstance(output, tuple) else copy(output)
+            kept = {k: copy(v) for k, v in kwargs.items() if isinstance(v, torch.Tensor | float | int)}
+            path = f"{paths.get(module, type(module).__name__)}.attention_function"
+            layout = None if layout is None else layout[rows]
+            calls.append(Call(path, module, tuple(copy(a) for a in args), kept, out, "attention", layout))
+        return output
+
+    with watching_attention(built, attention):
+        yield calls
 
 
 def linear_reference(module: torch.nn.Linear, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,7 +274,8 @@ def config_scaling(config: Any, head_dim: int) -> float:
     return float(multiplier) if multiplier is not None else head_dim**-0.5
 
 
-def attention_reference(module: torch.nn.Module, args: tuple, kwargs: dict, output: torch.Tensor, config: Any):
+def attention_reference(module: torch.nn.Module, args: tuple, kwargs: dict, output: torch.Tensor, config: Any,
+                        layout: torch.Tensor | None = None):  # fmt: skip
     """o = softmax(scaling q k^T + mask) v of one attention function call (query [B, Hq, L, D], key and value
     [B, Hkv, S, D] repeated over the query heads they serve, the mask 4D bool (True: attend) or additive, or none:
     causal), in float64 on the inputs it was given, against its output [B, L, Hq, D]; the bound and the rows that
@@ -230,9 +286,13 @@ def attention_reference(module: torch.nn.Module, args: tuple, kwargs: dict, outp
     The bound admits what attention kernels do in practice: the scores q k^T summed in fp32 and rounded to the input
     dtype, and scaled in it (eager; a fused kernel keeps them in fp32); the softmax in fp32, its probabilities rounded
     to the input dtype (before the matmul with v); p v summed in fp32; the output rounded once. A score off by e_j
-    moves p_j by at most p_j (exp(e_j + E) - 1), E = log sum_k p_k exp(e_k) (the normaliser moves by at most E)."""
-    query, key, value = (args[i] if len(args) > i else kwargs[name] for i, name in enumerate(("query", "key", "value")))
-    mask = args[3] if len(args) > 3 else kwargs.get("attention_mask")
+    moves p_j by at most p_j (exp(e_j + E) - 1), E = log sum_k p_k exp(e_k) (the normaliser moves by at most E).
+
+    ``layout`` ([B, 1, L, S] bool, ``rlsweep.model_cells.layout_allowed``): what the cell's layout lets each query
+    attend to. The reference attends to the keys both it and the mask allow: a mask or kernel that lets a query see
+    another sequence's tokens, padding or its own future (a leaked padding mask) is judged here, in any cell, while a
+    mask narrower than the layout (a sliding window) is the model's own."""
+    query, key, value, mask = attention_inputs(args, kwargs)
     scaling = config_scaling(config, query.shape[-1])
     groups = query.shape[1] // key.shape[1]
     q64 = query.double()
@@ -248,6 +308,8 @@ def attention_reference(module: torch.nn.Module, args: tuple, kwargs: dict, outp
         else:
             allowed = mask > torch.finfo(mask.dtype).min / 2
             additive = mask.double().masked_fill(~allowed, 0)
+    if layout is not None:
+        allowed = allowed & layout.to(allowed.device)
     magnitude = abs(scaling) * (q64.abs() @ k64.abs().transpose(-1, -2))
     scores = (scaling * (q64 @ k64.transpose(-1, -2)) + additive).masked_fill(~allowed, -math.inf)
     p64 = torch.softmax(scores, dim=-1).nan_to_num(0.0)
@@ -300,7 +362,8 @@ def judge_call(built: BuiltModel, call: Call) -> tuple[str, int, float, float, t
             y64, bound, rows = softmax_reference(call.args[0], call.kwargs["dim"], output)
         else:
             config = built.model.config
-            y64, bound, rows, slope = attention_reference(call.module, call.args, call.kwargs, output, config)
+            y64, bound, rows, slope = attention_reference(call.module, call.args, call.kwargs, output, config,
+                                                          call.layout)  # fmt: skip
             signed, slope = (torch.where(rows, t, torch.zeros_like(t)) for t in (output.double() - y64, slope))
             scale = ((signed * slope).sum(-1).flatten(), slope.pow(2).sum(-1).flatten())
         errors = (output.double() - y64).abs()
@@ -350,6 +413,11 @@ def module_accuracy(built: BuiltModel, workload: TokenWorkload, cell: str = TRAI
     share of its scale tolerance counts as a share of its bound."""
     with recording_calls(built) as calls:
         cell_hidden(built, workload, cell)
+    return accuracy_table(built, calls)
+
+
+def accuracy_table(built: BuiltModel, calls: list[Call]) -> pd.DataFrame:
+    """``module_accuracy``'s table of recorded ``calls``."""
     rows: dict[str, dict] = {}
     scales: dict[str, tuple[list, torch.dtype]] = {}
     for call in calls:

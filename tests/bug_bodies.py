@@ -66,6 +66,14 @@ def scores_scaled_1pct() -> None:
     modeling_qwen3.Qwen3Attention.__init__ = init
 
 
+def padding_mask_ignored() -> None:
+    """The attention mask built without the padding (a leaked padding mask): a left-padded row's tokens attend to
+    the pads before them; causality still hides a right-padded row's pads."""
+    from transformers import masking_utils
+
+    masking_utils.padding_mask_function = lambda padding_mask: lambda batch, head, query, key: key >= 0
+
+
 def attention_swapped() -> None:
     """A plugin that registers its own function under "sdpa": the config still says sdpa."""
 
@@ -137,8 +145,8 @@ def linear_left_stock() -> None:
 
 BUGS = {
     bug.__name__: bug
-    for bug in (norms_in_bf16, norm_eps_1e3, rope_base_1e4, scores_over_head_dim, scores_scaled_1pct, attention_swapped,
-                softmax_in_bf16,
-                silu_in_bf16, mlp_batch_scaled, attention_split_from_length, linear_left_stock)
+    for bug in (norms_in_bf16, norm_eps_1e3, rope_base_1e4, scores_over_head_dim, scores_scaled_1pct,
+                padding_mask_ignored, attention_swapped, softmax_in_bf16, silu_in_bf16, mlp_batch_scaled,
+                attention_split_from_length, linear_left_stock)
 }  # fmt: skip
 BUGS[os.environ["RLSWEEP_BODY_BUG"]]()

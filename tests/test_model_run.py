@@ -235,7 +235,13 @@ def test_the_packing_control_is_red_in_every_cell_with_the_first_layers_attentio
     assert done.returncode == 0, done.stderr[-3000:]  # its reds are declared, strictly
     found = tables(tmp_path / "control")
     failed = red(found["checks"])
-    assert set(failed.judgment) == {"forward_invariance"} and set(failed.lhs_cell) == {"BN/pad_right", "decode"}
+    moved = failed[failed.judgment == "forward_invariance"]
+    assert set(failed.judgment) == {"forward_invariance", "module_accuracy"}, failed
+    assert set(moved.lhs_cell) == {"BN/pad_right", "decode"}
+    # Its attention sees keys the packed layout does not let it see: red against the layout, in that cell only.
+    attention = failed[failed.judgment == "module_accuracy"]
+    assert list(zip(attention.tensor, attention.lhs_cell, strict=True)) == [("attention", "BN/packed")]
+    assert attention.value.iloc[0] > 100, attention.detail.iloc[0]
     first = found["divergence"].query("first_diverging")
     assert set(first.cell) == {"BN/pad_right", "decode"} and set(first.module) == {"model.layers.0.self_attn"}
     # Only the first sequence of the row attends to nothing foreign: every later one moves.
@@ -244,6 +250,26 @@ def test_the_packing_control_is_red_in_every_cell_with_the_first_layers_attentio
     done = run_rlsweep(tmp_path / "confined", MODEL, "profile=hf_packing_control_cpu_bf16", SMALL,
                        "profile.body_packing=confined", "profile.expected_red=[]")  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_leaked_padding_mask_is_red_where_it_leaks_though_the_profile_declares_its_cells_red(tmp_path):
+    """hf_sdpa_cpu_bf16 declares forward_invariance red in every cell (its kernel rounds per layout), so a mask
+    that lets left-padded tokens see their pads moved no verdict it had not declared. Attention is judged in every cell
+    against what the layout lets it see: the left-padded cell is red, the right-padded one (pads after the tokens,
+    hidden by causality) and the packed one are not."""
+    env = {"PYTHONPATH": import_path(TESTS), "RLSWEEP_BODY_BUG": "padding_mask_ignored"}
+    cells = "layout.cells=[BN/packed,BN/pad_right,BN/pad_left]"
+    done = run_rlsweep(tmp_path, MODEL, "profile=hf_sdpa_cpu_bf16", "profile.backend_module=bug_bodies", cells,
+                       env=env)  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    checks = tables(tmp_path)["checks"]
+    failed = checks[~checks.passed & checks.expected_pass]  # the profile's own reds are declared
+    assert list(zip(failed.judgment, failed.tensor, failed.lhs_cell, strict=True)) == [
+        ("module_accuracy", "attention", "BN/pad_left")
+    ], failed.detail.tolist()
+    assert failed.value.iloc[0] > 100
+    attention = checks[(checks.judgment == "module_accuracy") & (checks.tensor == "attention")]
+    assert set(attention.lhs_cell) == {"BN/packed", "BN/pad_right", "BN/pad_left"}
 
 
 def test_new_lengths_on_a_head_workload_need_none_of_its_head_only_lists(tmp_path):
