@@ -223,6 +223,16 @@ SEQUENCE_STARTS: ContextVar[torch.Tensor | None] = ContextVar("model_sequence_st
 CACHED_SLOTS = "rlsweep_slots"  # the attribute of a cell's KV cache holding the logical tokens of its keys
 
 
+def layout_positions(length: int) -> torch.Tensor | None:
+    """[B, length] int64: the position the layout gives each token of the body call in progress (its place in its
+    own sequence; -1 for padding and fillers), whatever position ids the call was given. None outside a cell, or
+    where the call's slots are not ``length`` long."""
+    slots, starts = CURRENT_SLOTS.get(), SEQUENCE_STARTS.get()
+    if slots is None or starts is None or slots.shape[1] != length:
+        return None
+    return torch.where(slots >= 0, slots - starts[slots.clamp(min=0)], -1)
+
+
 def layout_allowed(queries: int, keys: int) -> torch.Tensor | None:
     """[B, 1, queries, keys] bool (True: attend) of the body call in progress: what its layout lets each query row
     attend to, whatever mask the call built. A query token attends to the keys of its own sequence up to its own

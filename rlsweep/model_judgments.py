@@ -19,7 +19,9 @@ MODULES = "modules"  # the tensor column of a bitwise body's per-cell module inv
 END_TO_END = "end_to_end"  # the tensor column of the reported end-to-end error row
 # rlsweep.module_accuracy's op classes: one verdict each
 MODULE_OP_CLASSES = ("linear", "rmsnorm", "rotary", "activation", "attention")
-ATTENTION = "attention"  # the op class judged in every cell, against what the cell's layout lets it see
+# The op classes whose reference depends on the cell's layout, judged in every cell (rlsweep.module_accuracy):
+# attention (the keys each query may see) and RoPE (the position each token holds).
+LAYOUT_OP_CLASSES = ("attention", "rotary")
 # A profile's body_attention -> the attention function transformers must call, and the ops (any one of them) it must
 # reach: a dispatcher op, or the invariant body's Triton kernel (compiled, or its interpreter form).
 ATTENTION_RAN = {

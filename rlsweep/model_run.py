@@ -32,14 +32,19 @@ from rlsweep.model_cells import (
     token_workload,
 )
 from rlsweep.model_judgments import (
-    ATTENTION,
+    LAYOUT_OP_CLASSES,
     body_provenance_verdict,
     end_to_end_verdict,
     module_accuracy_verdicts,
     module_invariance_verdict,
     trainer_rollout_verdicts,
 )
-from rlsweep.module_accuracy import accuracy_table, attention_calls, end_to_end_error, module_accuracy
+from rlsweep.module_accuracy import (
+    accuracy_table,
+    end_to_end_error,
+    layout_calls,
+    module_accuracy,
+)
 from rlsweep.spec import DECODE_PARITY_ROLES, EXECUTION_DTYPES, RunSpec
 from rlsweep.tables import DIVERGENCE_COLUMNS
 from rlsweep.verdicts import Judgment, Verdict
@@ -105,11 +110,11 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
     for number, name in enumerate(cells, start=1):
         log.info("cell %d/%d %s: the body, then the head", number, len(cells), name)
         # Every module is recorded in the same pass (its copies left out of the provenance), for the divergence rows
-        # of a cell that moves, or of every cell for a body that claims every module bitwise; so is every attention
-        # call of a cell after the first, judged against what the cell's layout lets it see (the canonical cell's
-        # modules, attention included, are judged below in a pass of their own).
-        attending = attention_calls(built) if number > 1 else contextlib.nullcontext([])
-        with recording(built) as records, observing_body(built) as seen, attending as attention:
+        # of a cell that moves, or of every cell for a body that claims every module bitwise; so are the attention and
+        # RoPE calls of a cell after the first, judged against what the cell's layout says (the canonical cell's
+        # modules, those included, are judged below in a pass of their own).
+        laid_out = layout_calls(built) if number > 1 else contextlib.nullcontext([])
+        with recording(built) as records, observing_body(built) as seen, laid_out as layout:
             hidden = torch.cat(cell_hidden(built, tokens, name, chunk_size=spec.layout.chunk_size))
         observed["body"][name] = seen
         verdicts.append(body_provenance_verdict(name, profile.body_attention, seen["attention"], seen["kernels"]))
@@ -136,9 +141,8 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
         computed.golds.append(CellGold(reference, workload, standard))
         if number > 1:
             roles = contract.roles_for(Judgment.FORWARD_ACCURACY)
-            attention_table = accuracy_table(built, attention)
-            verdicts += module_accuracy_verdicts(attention_table, name, roles, kinds=(ATTENTION,))
-        del attention
+            verdicts += module_accuracy_verdicts(accuracy_table(built, layout), name, roles, kinds=LAYOUT_OP_CLASSES)
+        del layout
         if number == 1:
             canonical_records = records
         elif spec.bitwise_body or differs(result, computed.results[0]):

@@ -33,6 +33,7 @@ from rlsweep.model_cells import (
     TokenWorkload,
     cell_hidden,
     layout_allowed,
+    layout_positions,
     watching_attention,
 )
 
@@ -77,6 +78,7 @@ class Call:
     output: object
     kind: str | None = None  # the op class; None: op_class(module)
     layout: torch.Tensor | None = None  # an attention function's: what its cell's layout lets each query attend to
+    positions: torch.Tensor | None = None  # a rotary embedding's: each token's position in its sequence (-1: none)
 
 
 class SoftmaxRecorder(TorchDispatchMode):
@@ -102,7 +104,8 @@ def recording_calls(built: BuiltModel) -> Iterator[list[Call]]:
         detach = lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
         out = tuple(detach(o) for o in output) if isinstance(output, tuple) else detach(output)
         kept = {k: detach(v) for k, v in kwargs.items() if isinstance(v, torch.Tensor | float | int)}
-        calls.append(Call(path, module, tuple(detach(a) for a in args), kept, out))
+        positions = rotary_positions(module, output)
+        calls.append(Call(path, module, tuple(detach(a) for a in args), kept, out, positions=positions))
 
     paths = {module: path for path, module in built.body.named_modules(prefix="model")}
 
@@ -135,6 +138,14 @@ def attention_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Ten
     return query, key, value, args[3] if len(args) > 3 else kwargs.get("attention_mask")
 
 
+def rotary_positions(module: torch.nn.Module, output: Any) -> torch.Tensor | None:
+    """A rotary embedding's call: the positions the cell's layout gives its tokens (``layout_positions``); None for
+    any other module."""
+    if op_class(module) != "rotary" or not isinstance(output, tuple) or output[0].dim() < 2:
+        return None
+    return layout_positions(output[0].shape[-2])
+
+
 def call_layout(args: tuple, kwargs: dict) -> torch.Tensor | None:
     """What the cell's layout lets each query row of this attention call attend to (``layout_allowed``)."""
     query, key, _, _ = attention_inputs(args, kwargs)
@@ -142,37 +153,54 @@ def call_layout(args: tuple, kwargs: dict) -> torch.Tensor | None:
 
 
 @contextmanager
-def attention_calls(built: BuiltModel) -> Iterator[list[Call]]:
-    """Every call of the attention function while the block runs, with its inputs, output and layout (as
-    ``recording_calls`` keeps them; the copies are rlsweep's bookkeeping, left out of an observed provenance): what
-    ``accuracy_table`` judges in each cell. Entered inside ``rlsweep.model_cells.observing_body``, whose watch of the
-    attention function then still sees the function transformers chose."""
+def layout_calls(built: BuiltModel) -> Iterator[list[Call]]:
+    """Every call of the attention function and of a rotary embedding while the block runs, with its inputs, output
+    and what the cell's layout says (``Call.layout``, ``Call.positions``), as ``recording_calls`` keeps them, only the
+    batch rows that hold a judged token (a needle's row, not its hundreds of fillers), and the copies rlsweep's
+    bookkeeping, left out of an observed provenance: what ``accuracy_table`` judges in each cell. Entered inside
+    ``rlsweep.model_cells.observing_body``, whose watch of the attention function then still sees the function
+    transformers chose."""
     calls: list[Call] = []
     paths = {module: path for path, module in built.body.named_modules(prefix="model")}
 
-    def attention(function, module: torch.nn.Module, args: tuple, kwargs: dict):
-        output = function(module, *args, **kwargs)
+    def keep(path: str, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any, batch: int, **layout):
+        slots = CURRENT_SLOTS.get()
+        rows = None if slots is None else (slots >= 0).any(dim=1).nonzero()[:, 0]
+
+        def copy(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor):
+                return value
+            if rows is not None and value.dim() and value.shape[0] == batch and batch == len(slots):  # a batch dim
+                return value.detach()[rows.to(value.device)]
+            return value.detach().clone()
+
         with bookkeeping():
-            layout, batch = call_layout(args, kwargs), attention_inputs(args, kwargs)[0].shape[0]
-            # Only the batch rows that hold a judged token are kept: a needle's row, not its hundreds of fillers.
-            rows = None if layout is None else (CURRENT_SLOTS.get() >= 0).any(dim=1).nonzero()[:, 0]
-
-            def copy(value: Any) -> Any:
-                if not isinstance(value, torch.Tensor):
-                    return value
-                if rows is not None and value.dim() and value.shape[0] == batch:  # the call's batch dim
-                    return value.detach()[rows.to(value.device)]
-                return value.detach().clone()
-
             out = tuple(copy(o) for o in output) if isinstance(output, tuple) else copy(output)
             kept = {k: copy(v) for k, v in kwargs.items() if isinstance(v, torch.Tensor | float | int)}
-            path = f"{paths.get(module, type(module).__name__)}.attention_function"
-            layout = None if layout is None else layout[rows]
-            calls.append(Call(path, module, tuple(copy(a) for a in args), kept, out, "attention", layout))
+            calls.append(Call(path, module, tuple(copy(a) for a in args), kept, out,
+                              **{k: copy(v) for k, v in layout.items()}))  # fmt: skip
+
+    def attention(function, module: torch.nn.Module, args: tuple, kwargs: dict):
+        output = function(module, *args, **kwargs)
+        batch = attention_inputs(args, kwargs)[0].shape[0]
+        keep(f"{paths.get(module, type(module).__name__)}.attention_function", module, args, kwargs, output, batch,
+             kind="attention", layout=call_layout(args, kwargs))  # fmt: skip
         return output
 
-    with watching_attention(built, attention):
-        yield calls
+    def rotary(path: str, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        keep(path, module, args, kwargs, output, output[0].shape[0], positions=rotary_positions(module, output))
+
+    handles = [
+        module.register_forward_hook(lambda m, a, k, o, path=path: rotary(path, m, a, k, o), with_kwargs=True)
+        for path, module in built.body.named_modules(prefix="model")
+        if op_class(module) == "rotary"
+    ]
+    try:
+        with watching_attention(built, attention):
+            yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def linear_reference(module: torch.nn.Linear, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -386,6 +414,9 @@ def judge_call(built: BuiltModel, call: Call) -> tuple[str, int, float, float, t
         theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", getattr(config, "rope_theta", None))
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         position_ids = call.kwargs.get("position_ids", call.args[1] if len(call.args) > 1 else None)
+        if call.positions is not None:  # each token at the position its layout gives it: its own sequence's count
+            expected = call.positions.to(position_ids.device)
+            position_ids = torch.where(expected >= 0, expected, position_ids)
         cos, sin = call.output
         angles, angle_bound = rotary_angles(position_ids, theta, dim)
         scaling = abs(float(getattr(call.module, "attention_scaling", 1.0)))

@@ -4,6 +4,7 @@ run is its own process). Each patches transformers' Qwen3 classes the way a faul
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -31,6 +32,20 @@ def rope_base_1e4() -> None:
         return stock(self, x, position_ids)
 
     modeling_qwen3.Qwen3RotaryEmbedding.forward = forward
+
+
+def position_ids_dropped() -> None:
+    """The body drops the position ids it is given and counts positions from its cache instead (as a model or engine
+    that never passes them on): right for one sequence in one call, wrong for every sequence after the first of a
+    packed row and for a left-padded batch's tokens, whose pads it counts. RoPE itself is right on what it gets."""
+    stock = modeling_qwen3.Qwen3Model.forward
+
+    @functools.wraps(stock)  # its signature: what takes the KV cache
+    def forward(self, *args, **kwargs):
+        kwargs.pop("position_ids", None)
+        return stock(self, *args, **kwargs)
+
+    modeling_qwen3.Qwen3Model.forward = forward
 
 
 def norm_eps_1e3() -> None:
@@ -145,8 +160,8 @@ def linear_left_stock() -> None:
 
 BUGS = {
     bug.__name__: bug
-    for bug in (norms_in_bf16, norm_eps_1e3, rope_base_1e4, scores_over_head_dim, scores_scaled_1pct,
-                padding_mask_ignored, attention_swapped, softmax_in_bf16, silu_in_bf16, mlp_batch_scaled,
-                attention_split_from_length, linear_left_stock)
+    for bug in (norms_in_bf16, norm_eps_1e3, rope_base_1e4, position_ids_dropped, scores_over_head_dim,
+                scores_scaled_1pct, padding_mask_ignored, attention_swapped, softmax_in_bf16, silu_in_bf16,
+                mlp_batch_scaled, attention_split_from_length, linear_left_stock)
 }  # fmt: skip
 BUGS[os.environ["RLSWEEP_BODY_BUG"]]()

@@ -252,24 +252,31 @@ def test_the_packing_control_is_red_in_every_cell_with_the_first_layers_attentio
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def test_a_leaked_padding_mask_is_red_where_it_leaks_though_the_profile_declares_its_cells_red(tmp_path):
-    """hf_sdpa_cpu_bf16 declares forward_invariance red in every cell (its kernel rounds per layout), so a mask
-    that lets left-padded tokens see their pads moved no verdict it had not declared. Attention is judged in every cell
-    against what the layout lets it see: the left-padded cell is red, the right-padded one (pads after the tokens,
-    hidden by causality) and the packed one are not."""
-    env = {"PYTHONPATH": import_path(TESTS), "RLSWEEP_BODY_BUG": "padding_mask_ignored"}
-    cells = "layout.cells=[BN/packed,BN/pad_right,BN/pad_left]"
-    done = run_rlsweep(tmp_path, MODEL, "profile=hf_sdpa_cpu_bf16", "profile.backend_module=bug_bodies", cells,
-                       env=env)  # fmt: skip
+@pytest.mark.parametrize(
+    ("bug", "cells", "reds"),
+    [
+        # Left-padded tokens see their pads; causality still hides a right-padded row's pads after its tokens.
+        ("padding_mask_ignored", "BN/packed,BN/pad_right,BN/pad_left", {("attention", "BN/pad_left")}),
+        # Positions counted from the cache, not given: right for a call that holds one sequence from its start only
+        # (varlen4's prompts are of one length, so decode's left-padded prefill has no pad to count).
+        ("position_ids_dropped", "BN/packed,B1/full,BN/pad_left", {("rotary", "BN/packed"), ("rotary", "BN/pad_left")}),
+    ],
+)
+def test_a_layout_bug_is_red_where_it_acts_though_the_profile_declares_its_cells_red(tmp_path, bug, cells, reds):
+    """hf_sdpa_cpu_bf16 declares forward_invariance red in every cell (its kernel rounds per layout), so a bug that
+    only moves the logprobs of some layouts (a leaked padding mask, positions not the sequence's own) moved no verdict
+    it had not declared. Attention and RoPE are judged in every cell against what the cell's layout says: red in the
+    cells the bug acts in, by far, and only there."""
+    env = {"PYTHONPATH": import_path(TESTS), "RLSWEEP_BODY_BUG": bug}
+    done = run_rlsweep(tmp_path, MODEL, "profile=hf_sdpa_cpu_bf16", "profile.backend_module=bug_bodies",
+                       f"layout.cells=[{cells}]", env=env)  # fmt: skip
     assert done.returncode == 2, done.stderr[-3000:]
     checks = tables(tmp_path)["checks"]
     failed = checks[~checks.passed & checks.expected_pass]  # the profile's own reds are declared
-    assert list(zip(failed.judgment, failed.tensor, failed.lhs_cell, strict=True)) == [
-        ("module_accuracy", "attention", "BN/pad_left")
-    ], failed.detail.tolist()
-    assert failed.value.iloc[0] > 100
-    attention = checks[(checks.judgment == "module_accuracy") & (checks.tensor == "attention")]
-    assert set(attention.lhs_cell) == {"BN/packed", "BN/pad_right", "BN/pad_left"}
+    assert set(failed.judgment) == {"module_accuracy"}, failed.detail.tolist()
+    assert set(zip(failed.tensor, failed.lhs_cell, strict=True)) == reds and (failed.value > 100).all()
+    layout = checks[(checks.judgment == "module_accuracy") & checks.tensor.isin(["attention", "rotary"])]
+    assert set(layout.lhs_cell) == set(cells.split(",")) and len(layout) == 2 * len(cells.split(","))
 
 
 def test_new_lengths_on_a_head_workload_need_none_of_its_head_only_lists(tmp_path):
