@@ -86,7 +86,10 @@ def sampling_model(built: BuiltModel) -> torch.nn.Module:
 @torch.no_grad()
 def sample_responses(built: BuiltModel, prompts: Sequence[torch.Tensor], response_lens: Sequence[int], seed: int):
     """Each prompt continued by ``response_lens`` tokens drawn from the model's next-token distribution (the logits of
-    ``sampling_model``, softmax in float64) by inverse CDF of a counter-based uniform per (sample, position)."""
+    ``sampling_model``, softmax in float64) by inverse CDF of a counter-based uniform per (sample, position): the
+    prompt prefilled into a KV cache, then one token per step, as a rollout engine decodes."""
+    from transformers import DynamicCache
+
     check_seed(seed, "workload.seed")
     if len(prompts) != len(response_lens):
         raise ConfigError(f"{len(prompts)} prompts but {len(response_lens)} response lengths")
@@ -94,13 +97,14 @@ def sample_responses(built: BuiltModel, prompts: Sequence[torch.Tensor], respons
     model = sampling_model(built)
     sequences = []
     for sample, (prompt, n) in enumerate(zip(prompts, response_lens, strict=True)):
-        ids = prompt.clone()
+        ids, fed, cache = prompt.clone(), prompt, DynamicCache(config=model.config)
         for _ in range(n):
-            logits = model(input_ids=ids[None].to(device), use_cache=False).logits[0, -1]
+            logits = model(input_ids=fed[None].to(device), past_key_values=cache, use_cache=True).logits[0, -1]
             probs = torch.softmax(logits.double().cpu(), dim=-1)
             u = uniform(seed, "sample", torch.tensor([[sample]]), torch.tensor([[ids.numel()]]))[0, 0]
             token = int(torch.searchsorted(torch.cumsum(probs, 0), u * probs.sum()).clamp(max=probs.numel() - 1))
-            ids = torch.cat([ids, torch.tensor([token])])
+            fed = torch.tensor([token])
+            ids = torch.cat([ids, fed])
         sequences.append(ids)
     return sequences
 
