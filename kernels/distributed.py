@@ -364,6 +364,9 @@ def rank_loop(
             dist.destroy_process_group()
         if not mp.parent_process().is_alive():
             shutil.rmtree(workdir, ignore_errors=True)
+            # No caller is left to read this rank's queues or wait for it: it ends here, not through the interpreter's
+            # teardown, whose joins (a queue's feeder thread, a backend's threads) could keep an orphan alive.
+            os._exit(0)
 
 
 def next_request(requests):
