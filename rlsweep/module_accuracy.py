@@ -95,41 +95,67 @@ class SoftmaxRecorder(TorchDispatchMode):
         return out
 
 
+def copied_call(path: str, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any,
+                rows: torch.Tensor | None = None, batch: int = 0, **fields: Any) -> Call:  # fmt: skip
+    """A ``Call`` of copies of what ``module`` was given and returned (keyword arguments: tensors and numbers only),
+    and of ``fields``; with ``rows``, only those rows of each tensor whose first dim is the call's ``batch``."""
+
+    def copy(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if rows is not None and value.dim() and value.shape[0] == batch:
+            return value.detach()[rows.to(value.device)]
+        return value.detach().clone()
+
+    out = tuple(copy(o) for o in output) if isinstance(output, tuple) else copy(output)
+    kept = {k: copy(v) for k, v in kwargs.items() if isinstance(v, torch.Tensor | float | int)}
+    return Call(path, module, tuple(copy(a) for a in args), kept, out, **{k: copy(v) for k, v in fields.items()})
+
+
+@contextmanager
+def watching_calls(built: BuiltModel, hooked: Callable[[torch.nn.Module], bool], module_call: Callable,
+                   attention_call: Callable) -> Iterator[None]:  # fmt: skip
+    """While the block runs: ``module_call(path, module, args, kwargs, output)`` after each call of a body module that
+    ``hooked`` picks, and ``attention_call(function, path, module, args, kwargs)`` makes each call of the attention
+    function (``path``: its attention module's, ``.attention_function`` added)."""
+    paths = {module: path for path, module in built.body.named_modules(prefix="model")}
+
+    def attention(function, module: torch.nn.Module, args: tuple, kwargs: dict):
+        path = f"{paths.get(module, type(module).__name__)}.attention_function"
+        return attention_call(function, path, module, args, kwargs)
+
+    handles = [
+        module.register_forward_hook(lambda m, a, k, o, path=path: module_call(path, m, a, k, o), with_kwargs=True)
+        for module, path in paths.items()
+        if hooked(module)
+    ]
+    try:
+        with watching_attention(built, attention):
+            yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 @contextmanager
 def recording_calls(built: BuiltModel) -> Iterator[list[Call]]:
     """Every call of a module of a judged op class, with its inputs and output, while the block runs."""
     calls: list[Call] = []
 
     def keep(path: str, module: torch.nn.Module, args: tuple, kwargs: dict, output: object) -> None:
-        detach = lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
-        out = tuple(detach(o) for o in output) if isinstance(output, tuple) else detach(output)
-        kept = {k: detach(v) for k, v in kwargs.items() if isinstance(v, torch.Tensor | float | int)}
-        positions = rotary_positions(module, output)
-        calls.append(Call(path, module, tuple(detach(a) for a in args), kept, out, positions=positions))
+        calls.append(copied_call(path, module, args, kwargs, output, positions=rotary_positions(module, output)))
 
-    paths = {module: path for path, module in built.body.named_modules(prefix="model")}
-
-    def attention(function, module: torch.nn.Module, args: tuple, kwargs: dict):
+    def attention(function, path: str, module: torch.nn.Module, args: tuple, kwargs: dict):
         with SoftmaxRecorder() as softmaxes:
             output = function(module, *args, **kwargs)
-        path = f"{paths.get(module, type(module).__name__)}.attention_function"
-        keep(path, module, args, kwargs, output)
-        calls[-1].kind, calls[-1].layout = "attention", call_layout(args, kwargs)
+        layout = call_layout(args, kwargs)
+        calls.append(copied_call(path, module, args, kwargs, output, kind="attention", layout=layout))
         for x, dim, y in softmaxes.calls:
             calls.append(Call(f"{path}.softmax", module, (x,), {"dim": dim}, y, kind="attention"))
         return output
 
-    handles = [
-        module.register_forward_hook(lambda m, a, k, o, path=path: keep(path, m, a, k, o), with_kwargs=True)
-        for path, module in built.body.named_modules(prefix="model")
-        if op_class(module) is not None
-    ]
-    try:
-        with watching_attention(built, attention):
-            yield calls
-    finally:
-        for handle in handles:
-            handle.remove()
+    with watching_calls(built, lambda module: op_class(module) is not None, keep, attention):
+        yield calls
 
 
 def attention_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
@@ -161,46 +187,25 @@ def layout_calls(built: BuiltModel) -> Iterator[list[Call]]:
     ``rlsweep.model_cells.observing_body``, whose watch of the attention function then still sees the function
     transformers chose."""
     calls: list[Call] = []
-    paths = {module: path for path, module in built.body.named_modules(prefix="model")}
 
-    def keep(path: str, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any, batch: int, **layout):
+    def keep(path: str, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any, batch: int, **fields):
         slots = CURRENT_SLOTS.get()
-        rows = None if slots is None else (slots >= 0).any(dim=1).nonzero()[:, 0]
-
-        def copy(value: Any) -> Any:
-            if not isinstance(value, torch.Tensor):
-                return value
-            if rows is not None and value.dim() and value.shape[0] == batch and batch == len(slots):  # a batch dim
-                return value.detach()[rows.to(value.device)]
-            return value.detach().clone()
-
+        whole = slots is None or len(slots) != batch  # not the call's own batch rows: nothing to pick
+        rows = None if whole else (slots >= 0).any(dim=1).nonzero()[:, 0]
         with bookkeeping():
-            out = tuple(copy(o) for o in output) if isinstance(output, tuple) else copy(output)
-            kept = {k: copy(v) for k, v in kwargs.items() if isinstance(v, torch.Tensor | float | int)}
-            calls.append(Call(path, module, tuple(copy(a) for a in args), kept, out,
-                              **{k: copy(v) for k, v in layout.items()}))  # fmt: skip
-
-    def attention(function, module: torch.nn.Module, args: tuple, kwargs: dict):
-        output = function(module, *args, **kwargs)
-        batch = attention_inputs(args, kwargs)[0].shape[0]
-        keep(f"{paths.get(module, type(module).__name__)}.attention_function", module, args, kwargs, output, batch,
-             kind="attention", layout=call_layout(args, kwargs))  # fmt: skip
-        return output
+            calls.append(copied_call(path, module, args, kwargs, output, rows, batch, **fields))
 
     def rotary(path: str, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         keep(path, module, args, kwargs, output, output[0].shape[0], positions=rotary_positions(module, output))
 
-    handles = [
-        module.register_forward_hook(lambda m, a, k, o, path=path: rotary(path, m, a, k, o), with_kwargs=True)
-        for path, module in built.body.named_modules(prefix="model")
-        if op_class(module) == "rotary"
-    ]
-    try:
-        with watching_attention(built, attention):
-            yield calls
-    finally:
-        for handle in handles:
-            handle.remove()
+    def attention(function, path: str, module: torch.nn.Module, args: tuple, kwargs: dict):
+        output = function(module, *args, **kwargs)
+        batch = attention_inputs(args, kwargs)[0].shape[0]
+        keep(path, module, args, kwargs, output, batch, kind="attention", layout=call_layout(args, kwargs))
+        return output
+
+    with watching_calls(built, lambda module: op_class(module) == "rotary", rotary, attention):
+        yield calls
 
 
 def linear_reference(module: torch.nn.Linear, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
