@@ -95,11 +95,12 @@ def sample_responses(built: BuiltModel, prompts: Sequence[torch.Tensor], respons
         raise ConfigError(f"{len(prompts)} prompts but {len(response_lens)} response lengths")
     device = built.head_weight.device
     model = sampling_model(built)
+    keyword = cache_keyword(model)  # the name this transformers' forward takes a KV cache by
     sequences = []
     for sample, (prompt, n) in enumerate(zip(prompts, response_lens, strict=True)):
         ids, fed, cache = prompt.clone(), prompt, DynamicCache(config=model.config)
         for _ in range(n):
-            logits = model(input_ids=fed[None].to(device), past_key_values=cache, use_cache=True).logits[0, -1]
+            logits = model(input_ids=fed[None].to(device), use_cache=True, **{keyword: cache}).logits[0, -1]
             probs = torch.softmax(logits.double().cpu(), dim=-1)
             u = uniform(seed, "sample", torch.tensor([[sample]]), torch.tensor([[ids.numel()]]))[0, 0]
             token = int(torch.searchsorted(torch.cumsum(probs, 0), u * probs.sum()).clamp(max=probs.numel() - 1))
