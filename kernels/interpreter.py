@@ -13,10 +13,18 @@ interpreted, so ``triton.language`` stays in the interpreter's form for the proc
 The function calls, the programs and every tensor operation are the interpreter's own: only how often the same
 attributes are set changes. Where this Triton's interpreter does not have the structure the patch expects, it is
 left as it is (slower, the same bits).
+
+``skip_dead_overflow_checks`` drops work whose result nothing reads. Triton's ``+``, ``-`` and ``*`` on 32-bit integers
+ask the semantic layer for an overflow check (``sanitize_overflow``): the operands again in int64, the operation, two
+comparisons, and a ``device_assert`` of the result. Without ``debug`` that assert is dropped (a compiled kernel's
+optimiser removes the whole check as dead code), but the interpreter computes the check eagerly, on every index
+operation of every program: about a third of the invariant body's time. With ``debug`` off the check is off too, so
+nothing a kernel computes, stores or raises changes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -43,4 +51,14 @@ def patch_language_once() -> bool:
         return scope()  # a launch's restore() then has nothing to undo
 
     interpreter._patch_lang = patch_once
+    skip_dead_overflow_checks(interpreter)
     return True
+
+
+def skip_dead_overflow_checks(interpreter: Any) -> None:
+    """Turn the interpreter's integer-overflow checks off where their asserts are dropped (``debug`` off)."""
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if dataclasses.is_dataclass(options) and getattr(options, "debug", True) is False:
+        if getattr(options, "sanitize_overflow", False) is True:
+            builder.options = dataclasses.replace(options, sanitize_overflow=False)

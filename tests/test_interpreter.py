@@ -55,3 +55,34 @@ def test_the_language_is_patched_once_per_module_and_every_launch_computes_what_
     row_sums_kernel[(rows,)](x, again, N=n, STEPS=steps)
     assert walks == []
     assert torch.equal(again.view(torch.int32), out.view(torch.int32))
+
+
+@triton.jit
+def hashed_index_kernel(out_ptr, N: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, N)
+    tl.store(out_ptr + row * N + cols, cols * 1103515245 + row * 12345)  # int32: wraps for cols >= 2
+
+
+def test_integer_overflow_checks_are_skipped_only_where_their_asserts_are_dropped_and_change_no_value():
+    """Without ``debug`` the interpreter's overflow checks of int32 arithmetic only fed an assert that is dropped:
+    they are off, and a kernel whose index arithmetic wraps stores the same values with them on."""
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    assert patch_language_once() is True
+    options = interpreter.interpreter_builder.options
+    assert options.debug is False and options.sanitize_overflow is False
+    rows, n = 3, 16
+    skipped = torch.empty(rows * n, dtype=torch.int32)
+    hashed_index_kernel[(rows,)](skipped, N=n)
+    interpreter.interpreter_builder.options = dataclasses.replace(options, sanitize_overflow=True)
+    try:
+        checked = torch.empty_like(skipped)
+        hashed_index_kernel[(rows,)](checked, N=n)
+    finally:
+        interpreter.interpreter_builder.options = options
+    expected = torch.arange(n, dtype=torch.int64) * 1103515245 + torch.arange(rows, dtype=torch.int64)[:, None] * 12345
+    expected = ((expected + 2**31) % 2**32 - 2**31).to(torch.int32).reshape(-1)  # two's-complement wrap
+    assert torch.equal(checked, expected) and torch.equal(skipped, expected)
