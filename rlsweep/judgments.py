@@ -18,7 +18,7 @@ from rlsweep.arithmetic import kernel_verdicts, planned_kernel_rows
 from rlsweep.contract import ROUNDING_MODEL, Contract, Tolerance
 from rlsweep.execute import CellResult
 from rlsweep.mismatch import METRICS, ActiveTokens
-from rlsweep.model_judgments import LAYOUT_OP_CLASSES, MODULE_OP_CLASSES, MODULES
+from rlsweep.model_judgments import MODULE_OP_CLASSES, MODULES
 from rlsweep.spec import CHAIN_ROLES, DECODE_CELL, DECODE_PARITY_ROLES, ExpectedRed, RunSpec
 from rlsweep.verdicts import (
     FORWARD_TENSORS,
@@ -536,9 +536,8 @@ def planned_verdicts(
         planned += [row(invariance, Tensor.GRAD_HIDDEN, invariance, cell, canonical) for cell in cells[1:]]
     if whole_model:
         accuracy = Judgment.FORWARD_ACCURACY
-        planned += [row(Judgment.MODULE_ACCURACY, kind, accuracy, canonical, canonical) for kind in MODULE_OP_CLASSES]
-        planned += [row(Judgment.MODULE_ACCURACY, kind, accuracy, cell, cell) for cell in cells[1:]
-                    for kind in LAYOUT_OP_CLASSES]  # fmt: skip
+        planned += [row(Judgment.MODULE_ACCURACY, kind, accuracy, cell, cell) for cell in cells
+                    for kind in MODULE_OP_CLASSES]  # fmt: skip
         if bitwise_body:
             planned += [
                 row(Judgment.FORWARD_INVARIANCE, MODULES, invariance_roles(cell), cell, canonical) for cell in cells[1:]

@@ -17,11 +17,8 @@ from rlsweep.verdicts import NO_CELL, REPORTED_ONLY, Judgment, Verdict
 BODY = "body"  # the tensor column of a whole model's body provenance rows (the head's have "")
 MODULES = "modules"  # the tensor column of a bitwise body's per-cell module invariance rows
 END_TO_END = "end_to_end"  # the tensor column of the reported end-to-end error row
-# rlsweep.module_accuracy's op classes: one verdict each
+# rlsweep.module_accuracy's op classes: one verdict each, in every cell
 MODULE_OP_CLASSES = ("linear", "rmsnorm", "rotary", "activation", "attention")
-# The op classes whose reference depends on the cell's layout, judged in every cell (rlsweep.module_accuracy):
-# attention (the keys each query may see) and RoPE (the position each token holds).
-LAYOUT_OP_CLASSES = ("attention", "rotary")
 # A profile's body_attention -> the attention function transformers must call, and the ops (any one of them) it must
 # reach: a dispatcher op, or the invariant body's Triton kernel (compiled, or its interpreter form).
 ATTENTION_RAN = {

@@ -32,7 +32,6 @@ from rlsweep.model_cells import (
     token_workload,
 )
 from rlsweep.model_judgments import (
-    LAYOUT_OP_CLASSES,
     body_provenance_verdict,
     end_to_end_verdict,
     module_accuracy_verdicts,
@@ -44,6 +43,7 @@ from rlsweep.module_accuracy import (
     end_to_end_error,
     layout_calls,
     module_accuracy,
+    recorded_calls,
 )
 from rlsweep.spec import DECODE_PARITY_ROLES, EXECUTION_DTYPES, RunSpec
 from rlsweep.tables import DIVERGENCE_COLUMNS
@@ -110,9 +110,10 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
     for number, name in enumerate(cells, start=1):
         log.info("cell %d/%d %s: the body, then the head", number, len(cells), name)
         # Every module is recorded in the same pass (its copies left out of the provenance), for the divergence rows
-        # of a cell that moves, or of every cell for a body that claims every module bitwise; so are the attention and
-        # RoPE calls of a cell after the first, judged against what the cell's layout says (the canonical cell's
-        # modules, those included, are judged below in a pass of their own).
+        # of a cell that moves, or of every cell for a body that claims every module bitwise, and judged against
+        # float64 in a cell after the first; so are the attention and RoPE calls of such a cell, judged against what
+        # its layout says (the canonical cell's modules are judged below in a pass of their own, with the softmaxes
+        # inside attention).
         laid_out = layout_calls(built) if number > 1 else contextlib.nullcontext([])
         with recording(built) as records, observing_body(built) as seen, laid_out as layout:
             hidden = torch.cat(cell_hidden(built, tokens, name, chunk_size=spec.layout.chunk_size))
@@ -141,7 +142,8 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
         computed.golds.append(CellGold(reference, workload, standard))
         if number > 1:
             roles = contract.roles_for(Judgment.FORWARD_ACCURACY)
-            verdicts += module_accuracy_verdicts(accuracy_table(built, layout), name, roles, kinds=LAYOUT_OP_CLASSES)
+            judged = [*layout, *recorded_calls(built, records)]
+            verdicts += module_accuracy_verdicts(accuracy_table(built, judged), name, roles)
         del layout
         if number == 1:
             canonical_records = records

@@ -47,6 +47,7 @@ SCALE_FP32_ROUNDINGS = 8
 SCALE_SIGMAS = 8.0
 
 
+ROW_LOCAL = ("linear", "rmsnorm", "activation")  # op classes whose every output row depends on its input row alone
 ACTIVATION_MODULES = ("torch.nn.modules.activation", "transformers.activations")  # where activation classes live
 SOFTMAX_OPS = ("aten._softmax.default", "aten._safe_softmax.default")  # what a softmax reaches at the dispatcher
 
@@ -206,6 +207,26 @@ def layout_calls(built: BuiltModel) -> Iterator[list[Call]]:
 
     with watching_calls(built, lambda module: op_class(module) == "rotary", rotary, attention):
         yield calls
+
+
+def recorded_calls(built: BuiltModel, records: dict) -> list[Call]:
+    """The calls of every row-local module (``ROW_LOCAL``) that ``rlsweep.divergence.recording`` recorded in a cell
+    (``ModuleRecord`` by module path), one per module: the input and output rows of its judged tokens, every call's
+    (padding and fillers are not recorded). What ``accuracy_table`` judges of those modules in each cell after the
+    first, with no hooks of its own; a call recorded with other than one per-token input is left out (an op class
+    with nothing judged is red)."""
+    modules = dict(built.body.named_modules(prefix="model"))
+    calls = []
+    for path, record in records.items():
+        module = modules.get(path)
+        kind = op_class(module) if module is not None else None
+        parts = [(inputs[0], output) for _, inputs, output in record.calls if len(inputs) == 1]
+        if kind not in ROW_LOCAL or not parts:
+            continue
+        device = parts[0][0].device
+        x, y = (torch.cat([t.to(device).reshape(-1, t.shape[-1]) for t in ts]) for ts in zip(*parts, strict=True))
+        calls.append(Call(path, module, (x,), {}, y, kind=kind))
+    return calls
 
 
 def linear_reference(module: torch.nn.Linear, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -401,15 +422,15 @@ def judge_call(built: BuiltModel, call: Call) -> tuple[str, int, float, float, t
             scale = ((signed * slope).sum(-1).flatten(), slope.pow(2).sum(-1).flatten())
         errors = (output.double() - y64).abs()
     elif kind == "activation":
-        function = config_activation(built.model.config, call.path)
-        y64, bound = activation_reference(call.module, call.args[0], call.output, function)
-        errors = (call.output.double() - y64).abs()
+        x, y = row_io(call, kind)
+        y64, bound = activation_reference(call.module, x, y, config_activation(built.model.config, call.path))
+        errors = (y.double() - y64).abs()
     elif kind == "linear":
-        x, y = (call.args or (call.kwargs.get("input"),))[0], call.output
+        x, y = row_io(call, kind)
         y64, bound = linear_reference(call.module, x, y)
         errors = (y.double() - y64).abs()
     elif kind == "rmsnorm":
-        x, y = (call.args or (call.kwargs.get("hidden_states"),))[0], call.output
+        x, y = row_io(call, kind)
         # The epsilon the config names, as for RoPE's base: a module that adds another one is the bug judged here.
         eps = getattr(built.model.config, "rms_norm_eps", None)
         y64, bound = rmsnorm_reference(call.module, x, y, call.module.variance_epsilon if eps is None else eps)
@@ -442,6 +463,40 @@ def judge_call(built: BuiltModel, call: Call) -> tuple[str, int, float, float, t
     return kind, errors.numel(), float(errors.nan_to_num(nan=math.inf).max()), float(used.max()), scale
 
 
+def row_io(call: Call, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input, output) of a call of a row-local op class (``ROW_LOCAL``), positional or by keyword."""
+    keyword = {"linear": "input", "rmsnorm": "hidden_states"}.get(kind, "input")
+    return (call.args or (call.kwargs.get(keyword),))[0], call.output
+
+
+def merged_rows(calls: list[Call]) -> list[Call]:
+    """``calls`` with every call of one row-local module (``ROW_LOCAL``) made one: their input and output rows
+    concatenated ([rows, features]), so a cell of hundreds of calls (a decode, a chunked prefill) computes each
+    module's float64 reference once. Each output row depends on its input row alone, so every element's error and
+    bound are the ones its own call gives; calls whose rows differ in features or dtype stay apart."""
+    order: list[Call | tuple] = []
+    groups: dict[tuple, list[Call]] = {}
+    for call in calls:
+        kind = call.kind or op_class(call.module)
+        x, y = row_io(call, kind) if kind in ROW_LOCAL else (None, None)
+        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor) or x.dim() == 0 or y.dim() == 0:
+            order.append(call)
+            continue
+        key = (call.path, kind, x.shape[-1], x.dtype, y.shape[-1], y.dtype)
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        groups[key].append(call)
+    return [item if isinstance(item, Call) else concatenated(groups[item], item[1]) for item in order]
+
+
+def concatenated(group: list[Call], kind: str) -> Call:
+    """One call of a row-local module holding the rows of every call in ``group`` ([rows, features])."""
+    xs, ys = zip(*(row_io(call, kind) for call in group), strict=True)
+    x, y = (torch.cat([t.reshape(-1, t.shape[-1]) for t in ts]) for ts in (xs, ys))
+    return Call(group[0].path, group[0].module, (x,), {}, y, kind=kind)
+
+
 def module_accuracy(built: BuiltModel, workload: TokenWorkload, cell: str = TRAINER_CELL) -> pd.DataFrame:
     """One row per judged module of the body in ``cell``: its op class, elements judged, largest |error| against
     float64 of the module on its own inputs, an attention function's ``scale_error`` (NaN for the others), and the
@@ -456,7 +511,7 @@ def accuracy_table(built: BuiltModel, calls: list[Call]) -> pd.DataFrame:
     """``module_accuracy``'s table of recorded ``calls``."""
     rows: dict[str, dict] = {}
     scales: dict[str, tuple[list, torch.dtype]] = {}
-    for call in calls:
+    for call in merged_rows(calls):
         kind, elements, max_error, used, scale = judge_call(built, call)
         first = {"module": call.path, "module_class": type(call.module).__name__, "op_class": kind, "elements": 0,
                  "max_abs_error": 0.0, "scale_error": math.nan, "bound_used": 0.0}  # fmt: skip

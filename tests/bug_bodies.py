@@ -135,6 +135,22 @@ def mlp_batch_scaled() -> None:
     modeling_qwen3.Qwen3MLP.forward = forward
 
 
+def linear_batched_bf16_sum() -> None:
+    """Linear layers that take another kernel path when the call holds more than one sequence: its products summed in
+    two halves of K, each rounded to bf16 before they are added (a split-K kernel for batched shapes that keeps its
+    partials in the output dtype). A call of one sequence, the packed row, is the stock matmul."""
+    stock = torch.nn.Linear.forward
+
+    def forward(self, x):
+        if x.dim() < 3 or x.shape[0] == 1:
+            return stock(self, x)
+        half = x.shape[-1] // 2
+        first = torch.nn.functional.linear(x[..., :half], self.weight[:, :half])
+        return first + torch.nn.functional.linear(x[..., half:], self.weight[:, half:], self.bias)
+
+    torch.nn.Linear.forward = forward
+
+
 def attention_split_from_length() -> None:
     """The invariant body's attention with its key blocks sized from the call's key count (16 keys a block below 48
     keys, else 64): a split that follows the sequence length, so one sequence alone and the packed row reduce a row's
@@ -162,6 +178,6 @@ BUGS = {
     bug.__name__: bug
     for bug in (norms_in_bf16, norm_eps_1e3, rope_base_1e4, position_ids_dropped, scores_over_head_dim,
                 scores_scaled_1pct, padding_mask_ignored, attention_swapped, softmax_in_bf16, silu_in_bf16,
-                mlp_batch_scaled, attention_split_from_length, linear_left_stock)
+                mlp_batch_scaled, linear_batched_bf16_sum, attention_split_from_length, linear_left_stock)
 }  # fmt: skip
 BUGS[os.environ["RLSWEEP_BODY_BUG"]]()

@@ -260,13 +260,19 @@ def test_the_packing_control_is_red_in_every_cell_with_the_first_layers_attentio
         # Positions counted from the cache, not given: right for a call that holds one sequence from its start only
         # (varlen4's prompts are of one length, so decode's left-padded prefill has no pad to count).
         ("position_ids_dropped", "BN/packed,B1/full,BN/pad_left", {("rotary", "BN/packed"), ("rotary", "BN/pad_left")}),
+        # Another matmul path for calls of several sequences (a padded batch, each decode step), not the packed row.
+        (
+            "linear_batched_bf16_sum",
+            "BN/packed,BN/pad_right,decode",
+            {("linear", "BN/pad_right"), ("linear", "decode")},
+        ),
     ],
 )
 def test_a_layout_bug_is_red_where_it_acts_though_the_profile_declares_its_cells_red(tmp_path, bug, cells, reds):
     """hf_sdpa_cpu_bf16 declares forward_invariance red in every cell (its kernel rounds per layout), so a bug that
-    only moves the logprobs of some layouts (a leaked padding mask, positions not the sequence's own) moved no verdict
-    it had not declared. Attention and RoPE are judged in every cell against what the cell's layout says: red in the
-    cells the bug acts in, by far, and only there."""
+    only moves the logprobs of some layouts (a leaked padding mask, positions not the sequence's own, a batched matmul
+    path) moved no verdict it had not declared. Every module is judged in every cell, attention and RoPE against what
+    the cell's layout says: red in the cells the bug acts in, by far, and only there."""
     env = {"PYTHONPATH": import_path(TESTS), "RLSWEEP_BODY_BUG": bug}
     done = run_rlsweep(tmp_path, MODEL, "profile=hf_sdpa_cpu_bf16", "profile.backend_module=bug_bodies",
                        f"layout.cells=[{cells}]", env=env)  # fmt: skip
@@ -275,8 +281,9 @@ def test_a_layout_bug_is_red_where_it_acts_though_the_profile_declares_its_cells
     failed = checks[~checks.passed & checks.expected_pass]  # the profile's own reds are declared
     assert set(failed.judgment) == {"module_accuracy"}, failed.detail.tolist()
     assert set(zip(failed.tensor, failed.lhs_cell, strict=True)) == reds and (failed.value > 100).all()
-    layout = checks[(checks.judgment == "module_accuracy") & checks.tensor.isin(["attention", "rotary"])]
-    assert set(layout.lhs_cell) == set(cells.split(",")) and len(layout) == 2 * len(cells.split(","))
+    modules = checks[(checks.judgment == "module_accuracy") & (checks.tensor != "end_to_end")]
+    assert set(modules.lhs_cell) == set(cells.split(",")) and len(modules) == 5 * len(cells.split(","))
+    assert not modules.value.isna().any(), modules.detail.tolist()  # every op class judged something in every cell
 
 
 def test_new_lengths_on_a_head_workload_need_none_of_its_head_only_lists(tmp_path):
