@@ -13,6 +13,7 @@ from rlsweep.exitcodes import (
     ExitCode,
     describe_exit,
     exit_site,
+    exit_without_teardown,
     guarded,
     one_line,
     one_line_usage,
@@ -32,6 +33,7 @@ import os
 import shlex
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 from hydra._internal.utils import get_args_parser
@@ -158,5 +160,10 @@ def main() -> int:
     return run_command(PROG, command)
 
 
+def cli() -> NoReturn:
+    """The ``rlsweep`` console command: ``main``, then the process ends without tearing its modules down."""
+    exit_without_teardown(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

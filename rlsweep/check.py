@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from rlsweep.exitcodes import ExitCode, one_line_usage, run_command, stop_at_once
+from rlsweep.exitcodes import ExitCode, exit_without_teardown, one_line_usage, run_command, stop_at_once
 
 PROG = "python -m rlsweep.check"
 if __name__ == "__main__":
@@ -103,4 +103,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

@@ -9,12 +9,14 @@ a command installs its start-up signal handlers from here before it imports torc
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterable
 from enum import IntEnum
-from typing import Any
+from typing import Any, NoReturn
 
 from rlsweep.errors import RlsweepError, UsageError
 
@@ -132,6 +134,23 @@ def raise_on_signals(prog: str) -> None:
 
     for signum in STOP_SIGNALS:
         signal.signal(signum, interrupted)
+
+
+def exit_without_teardown(status: int) -> NoReturn:
+    """End the process as the interpreter ends it, up to tearing its modules down: non-daemon threads joined, atexit
+    handlers run (weakref finalizers, multiprocessing's children, logging's files), the standard streams flushed;
+    then exit with ``status`` without that teardown, which frees torch's, transformers' and pandas' objects one by one
+    (0.6 - 0.7 s of a command on a 2-core CPU) for nothing the command does. A stream that cannot be flushed ends it
+    with 120, as the interpreter's own exit does. Only a command line's ``__main__`` calls it, never a caller in the
+    same process."""
+    threading._shutdown()  # type: ignore[attr-defined]  # what Py_FinalizeEx calls first
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            status = 120
+    os._exit(status)
 
 
 def run_command(prog: str, command: Callable[[], ExitCode]) -> int:

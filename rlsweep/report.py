@@ -12,13 +12,12 @@ from __future__ import annotations
 import argparse
 import base64
 import html
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlsweep.exitcodes import ExitCode, one_line_usage, run_command, stop_at_once
+from rlsweep.exitcodes import ExitCode, exit_without_teardown, one_line_usage, run_command, stop_at_once
 
 PROG = "python -m rlsweep.report"
 if __name__ == "__main__":
@@ -490,4 +489,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())
