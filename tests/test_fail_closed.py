@@ -1066,3 +1066,29 @@ def test_each_failed_job_of_a_sweep_is_one_line_on_stderr_whatever_the_launcher(
         f"rlsweep: error: job #{num} ({job_line(*overrides, f'tp={tp}')}) failed: {reason}"
         for num, tp in enumerate((1, 2))
     ], done.stderr
+
+
+END_AFTER_WORK = """
+import atexit, sys, threading, time
+from pathlib import Path
+from rlsweep.exitcodes import exit_without_teardown
+out = Path(sys.argv[1])
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+def late():
+    time.sleep(0.3)
+    (out / "thread").write_text("joined")
+threading.Thread(target=late).start()
+sys.stdout.write("a line without its newline, still buffered")
+exit_without_teardown(int(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("status", [0, 2, 3])
+def test_a_command_that_ends_without_teardown_keeps_its_status_output_threads_and_atexit_handlers(tmp_path, status):
+    """Command lines skip the interpreter's module teardown at their end (rlsweep.exitcodes.exit_without_teardown):
+    what a caller or CI reads must be exactly what a normal exit gives."""
+    done = subprocess.run([sys.executable, "-c", END_AFTER_WORK, str(tmp_path), str(status)], capture_output=True,
+                          text=True, timeout=60, cwd=Path(__file__).parent.parent)  # fmt: skip
+    assert done.returncode == status, done.stderr
+    assert done.stdout == "a line without its newline, still buffered"
+    assert (tmp_path / "thread").read_text() == "joined" and (tmp_path / "atexit").read_text() == "ran"
