@@ -254,24 +254,28 @@ def quiet_profiler() -> None:
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 
-# A profiler range around rlsweep's own bookkeeping inside an observed block (``bookkeeping``): the ops it encloses are
-# the harness's, not the node's. Each block counts the ranges it opened; a profile holding any other number of them
-# (a node that opened one of that name itself) hides nothing.
-BOOKKEEPING = "rlsweep.bookkeeping"
-_BOOKKEEPING_OPENED: ContextVar[list[int] | None] = ContextVar("bookkeeping_opened", default=None)
+# Whether this thread is inside ``observing_dispatcher``'s profile, and inside a ``bookkeeping`` block there.
+_PROFILING: ContextVar[bool] = ContextVar("profiling", default=False)
+_BOOKKEEPING: ContextVar[bool] = ContextVar("bookkeeping", default=False)
 
 
 @contextmanager
 def bookkeeping() -> Iterator[None]:
     """The block is rlsweep's own work inside an observed block (hooks copying each module's tensors for the
-    first-divergence table, rlsweep/divergence.py): ``observing_dispatcher`` leaves what it runs out."""
-    opened = _BOOKKEEPING_OPENED.get()
-    if opened is None:
+    first-divergence table, rlsweep/divergence.py): it runs with this thread's record functions off, so the profiler
+    records none of its ops. They are not the node's, and costing nothing to record or to read back they keep a body's
+    observation cheap (the profiler's stop takes about 11 us an event). Record functions are per thread: ops that any
+    other thread runs meanwhile are recorded as the node's, as always, and no range a node names hides anything."""
+    if not _PROFILING.get() or _BOOKKEEPING.get():
         yield
         return
-    opened[0] += 1
-    with torch.autograd.profiler.record_function(BOOKKEEPING):
+    token = _BOOKKEEPING.set(True)
+    torch._C._autograd._enable_record_function(False)
+    try:
         yield
+    finally:
+        torch._C._autograd._enable_record_function(True)  # on, as the profiler needs it around the block
+        _BOOKKEEPING.reset(token)
 
 
 # The profiler is one per process and sees every thread: node calls made at once on two threads take turns, and ops
@@ -293,8 +297,7 @@ def observing_dispatcher() -> Iterator[None]:
             "a node call was made while torch's profiler was already running (a node call inside another, or the "
             "caller's own profiler): provenance observes each node call with a profiler of its own"
         )
-    opened = [0]
-    token = _BOOKKEEPING_OPENED.set(opened)
+    token = _PROFILING.set(True)
     try:
         # autograd's profiler, not torch.profiler's, whose start imports torch._inductor (a second) to look for it.
         with _PROFILER, profile(use_device=None, experimental_config=profiler_config()) as profiler:
@@ -302,9 +305,9 @@ def observing_dispatcher() -> Iterator[None]:
             yield
             frames = dynamo_frames() - frames
     finally:
-        _BOOKKEEPING_OPENED.reset(token)
+        _PROFILING.reset(token)
     events = profiler.kineto_results.events()
-    for launch in outermost_launches(events, bookkeeping_ranges=opened[0], compiled_frames=frames):
+    for launch in outermost_launches(events, compiled_frames=frames):
         record(launch)
 
 
@@ -315,18 +318,14 @@ def dynamo_frames() -> int:
     return 0 if utils is None else int(utils.counters["frames"]["total"])
 
 
-def outermost_launches(
-    events: Iterable[Any], bookkeeping_ranges: int = 0, compiled_frames: int = 0
-) -> list[KernelLaunch]:
-    """The launches (``observed_launch``) among a profile's raw events that no other kept launch, compiling event or
-    bookkeeping range encloses on its thread, in the order they started; ``bookkeeping_ranges``: how many
-    ``BOOKKEEPING`` ranges rlsweep opened meanwhile (only if the profile holds exactly that many do they hide
-    anything); ``compiled_frames``: how many frames dynamo converted meanwhile (``COMPILING`` ranges hide only if
-    there are no more of them than that). Nesting is read from each CPU event's thread and interval, as torch's own
-    event tree reads it, without building that tree: it costs seconds for a body's tens of thousands of ops
-    (``torch.autograd.profiler.profile.function_events``)."""
+def outermost_launches(events: Iterable[Any], compiled_frames: int = 0) -> list[KernelLaunch]:
+    """The launches (``observed_launch``) among a profile's raw events that no other kept launch or compiling event
+    encloses on its thread, in the order they started; ``compiled_frames``: how many frames dynamo converted
+    meanwhile (``COMPILING`` ranges hide only if there are no more of them than that). Nesting is read from each CPU
+    event's thread and interval, as torch's own event tree reads it, without building that tree: it costs seconds for
+    a body's tens of thousands of ops (``torch.autograd.profiler.profile.function_events``)."""
     cpu = torch.autograd.DeviceType.CPU
-    hiders = COMPILING | {BOOKKEEPING}  # hide what they enclose only if their count allows (``hiding`` below)
+    hiders = COMPILING  # hide what they enclose only if their count allows (``hiding`` below)
     counted: Counter[str] = Counter()
     launches: dict[str, KernelLaunch | None] = {}
     by_thread: dict[int, list[tuple[int, int, str]]] = {}
@@ -345,10 +344,7 @@ def outermost_launches(
         if event.start_thread_id() != event.end_thread_id() or getattr(event, "is_hidden_event", bool)():
             continue  # an event on two threads is async, as torch's tree reads it; hidden ones it leaves out
         by_thread.setdefault(event.start_thread_id(), []).append((event.start_ns(), event.end_ns(), name))
-    hiding = {
-        *(COMPILING if sum(counted[name] for name in COMPILING) <= compiled_frames else ()),
-        *((BOOKKEEPING,) if counted[BOOKKEEPING] == bookkeeping_ranges else ()),
-    }
+    hiding = COMPILING if sum(counted[name] for name in COMPILING) <= compiled_frames else frozenset()
     kept: list[tuple[int, KernelLaunch]] = []
     for spans in by_thread.values():
         enclosing: list[int] = []  # the ends of the open kept or hiding events around the current one
