@@ -44,6 +44,7 @@ from rlsweep.module_accuracy import (
     layout_calls,
     module_accuracy,
     recorded_calls,
+    unrecorded_paths,
 )
 from rlsweep.spec import DECODE_PARITY_ROLES, EXECUTION_DTYPES, RunSpec
 from rlsweep.tables import DIVERGENCE_COLUMNS
@@ -106,7 +107,7 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
     logits_dtype = EXECUTION_DTYPES[profile.logits_name]
     computed = Computed()
     observed["body"] = {}
-    canonical_records, tables = None, []
+    canonical_records, unrecorded, tables = None, frozenset(), []
     for number, name in enumerate(cells, start=1):
         log.info("cell %d/%d %s: the body, then the head", number, len(cells), name)
         # Every module is recorded in the same pass (its copies left out of the provenance), for the divergence rows
@@ -114,7 +115,7 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
         # float64 in a cell after the first; so are the attention and RoPE calls of such a cell, judged against what
         # its layout says (the canonical cell's modules are judged below in a pass of their own, with the softmaxes
         # inside attention).
-        laid_out = layout_calls(built) if number > 1 else contextlib.nullcontext([])
+        laid_out = layout_calls(built, unrecorded) if number > 1 else contextlib.nullcontext([])
         with recording(built) as records, observing_body(built) as seen, laid_out as layout:
             hidden = torch.cat(cell_hidden(built, tokens, name, chunk_size=spec.layout.chunk_size))
         observed["body"][name] = seen
@@ -146,7 +147,7 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
             verdicts += module_accuracy_verdicts(accuracy_table(built, judged), name, roles)
         del layout
         if number == 1:
-            canonical_records = records
+            canonical_records, unrecorded = records, unrecorded_paths(built, records)
         elif spec.bitwise_body or differs(result, computed.results[0]):
             tables.append(divergence(canonical_records, records, cell=name, canonical_cell=cells[0]))
         del records  # freed before the next cell records its own
@@ -187,7 +188,8 @@ def differs(result: CellResult, canonical: CellResult) -> bool:
 
 def reported_error(spec: RunSpec, built: BuiltModel, tokens: TokenWorkload, logp: torch.Tensor) -> dict | str:
     """``end_to_end_error`` of the canonical cell's judged ``logp``, or why it was not computed: its float64 copy of
-    the model would not fit beside the run."""
+    the model would not fit beside the run, or the model's forward has an op with no float64 kernel (an MoE's grouped
+    matmul). The row is reported, never judged, so the run's verdicts stand either way."""
     parameters = sum(p.numel() for p in built.model.parameters())
     needed = FLOAT64_COPIES * 8 * parameters
     available = available_memory(spec.profile.device)
@@ -195,4 +197,7 @@ def reported_error(spec: RunSpec, built: BuiltModel, tokens: TokenWorkload, logp
         return (
             f"a float64 copy of {parameters} parameters needs about {needed >> 20} MiB, over half of the {available[1]}"
         )
-    return end_to_end_error(built, tokens, logp)
+    try:
+        return end_to_end_error(built, tokens, logp)
+    except (RuntimeError, NotImplementedError) as err:
+        return f"the model's forward in float64 raised {type(err).__name__}: {str(err).splitlines()[0]}"

@@ -180,14 +180,16 @@ def call_layout(args: tuple, kwargs: dict) -> torch.Tensor | None:
 
 
 @contextmanager
-def layout_calls(built: BuiltModel) -> Iterator[list[Call]]:
+def layout_calls(built: BuiltModel, unrecorded: frozenset[str] = frozenset()) -> Iterator[list[Call]]:
     """Every call of the attention function and of a rotary embedding while the block runs, with its inputs, output
     and what the cell's layout says (``Call.layout``, ``Call.positions``), as ``recording_calls`` keeps them, only the
     batch rows that hold a judged token (a needle's row, not its hundreds of fillers), and the copies rlsweep's
     bookkeeping, left out of an observed provenance: what ``accuracy_table`` judges in each cell. Entered inside
     ``rlsweep.model_cells.observing_body``, whose watch of the attention function then still sees the function
-    transformers chose."""
+    transformers chose. The modules at the paths ``unrecorded`` (``unrecorded_paths``: row-local modules whose calls
+    the divergence recording cannot lay out by token, an MoE's experts) are kept whole, every call."""
     calls: list[Call] = []
+    whole = {id(module) for path, module in built.body.named_modules(prefix="model") if path in unrecorded}
 
     def keep(path: str, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any, batch: int, **fields):
         slots = CURRENT_SLOTS.get()
@@ -196,8 +198,12 @@ def layout_calls(built: BuiltModel) -> Iterator[list[Call]]:
         with bookkeeping():
             calls.append(copied_call(path, module, args, kwargs, output, rows, batch, **fields))
 
-    def rotary(path: str, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        keep(path, module, args, kwargs, output, output[0].shape[0], positions=rotary_positions(module, output))
+    def module_call(path: str, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if id(module) in whole:
+            with bookkeeping():
+                calls.append(copied_call(path, module, args, kwargs, output))
+        else:
+            keep(path, module, args, kwargs, output, output[0].shape[0], positions=rotary_positions(module, output))
 
     def attention(function, path: str, module: torch.nn.Module, args: tuple, kwargs: dict):
         output = function(module, *args, **kwargs)
@@ -205,7 +211,8 @@ def layout_calls(built: BuiltModel) -> Iterator[list[Call]]:
         keep(path, module, args, kwargs, output, batch, kind="attention", layout=call_layout(args, kwargs))
         return output
 
-    with watching_calls(built, lambda module: op_class(module) == "rotary", rotary, attention):
+    hooked = lambda module: op_class(module) == "rotary" or id(module) in whole  # noqa: E731
+    with watching_calls(built, hooked, module_call, attention):
         yield calls
 
 
@@ -227,6 +234,17 @@ def recorded_calls(built: BuiltModel, records: dict) -> list[Call]:
         x, y = (torch.cat([t.to(device).reshape(-1, t.shape[-1]) for t in ts]) for ts in zip(*parts, strict=True))
         calls.append(Call(path, module, (x,), {}, y, kind=kind))
     return calls
+
+
+def unrecorded_paths(built: BuiltModel, records: dict) -> frozenset[str]:
+    """The row-local modules (``ROW_LOCAL``) of which ``rlsweep.divergence.recording`` recorded no call by token in a
+    cell (``records``: the canonical cell's), so ``recorded_calls`` cannot judge them in the other cells: modules
+    called on rows other than the call's [batch, position] (an MoE's experts, on the tokens routed to them)."""
+    laid_out = {path for path, record in records.items() if any(len(inputs) == 1 for _, inputs, _ in record.calls)}
+    return frozenset(
+        path for path, module in built.body.named_modules(prefix="model")
+        if op_class(module) in ROW_LOCAL and path not in laid_out
+    )  # fmt: skip
 
 
 def linear_reference(module: torch.nn.Linear, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

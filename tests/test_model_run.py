@@ -286,6 +286,24 @@ def test_a_layout_bug_is_red_where_it_acts_though_the_profile_declares_its_cells
     assert not modules.value.isna().any(), modules.detail.tolist()  # every op class judged something in every cell
 
 
+MOE = ("model.name=moe_tiny", "model.body.hf_config.model_type=qwen3_moe", "+model.body.hf_config.num_experts=4",
+       "+model.body.hf_config.num_experts_per_tok=2", "+model.body.hf_config.moe_intermediate_size=64")  # fmt: skip
+
+
+def test_an_moe_models_experts_are_judged_in_every_cell_and_its_float64_forward_need_not_exist(tmp_path):
+    """An MoE's experts run on the tokens routed to them, not on the call's [batch, position] rows, so the divergence
+    recording keeps none of their calls: they are hooked whole in every cell after the first. Its grouped matmul has no
+    float64 kernel: the reported end-to-end row says so, and the verdicts stand (the run ended in that error)."""
+    done = run_rlsweep(tmp_path, MODEL, *MOE, "profile=hf_eager_cpu_bf16", SMALL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    checks = tables(tmp_path)["checks"]
+    activation = checks[(checks.judgment == "module_accuracy") & (checks.tensor == "activation")]
+    assert set(activation.lhs_cell) == {"BN/packed", "BN/pad_right", "decode"}, activation
+    assert activation.detail.str.contains("mlp.experts.act_fn").all() and (activation.value > 0.5).all()
+    end_to_end = checks[checks.tensor == "end_to_end"].detail.iloc[0]
+    assert "not computed: the model's forward in float64 raised RuntimeError" in end_to_end, end_to_end
+
+
 def test_new_lengths_on_a_head_workload_need_none_of_its_head_only_lists(tmp_path):
     """hunt's sample_scales and probe_samples (one per sample, for the head) were still checked against a whole model's
     new seq_lens: the run was refused over keys it never reads and a user may not set."""
