@@ -23,7 +23,6 @@ import os
 import re
 import sys
 import threading
-from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -325,33 +324,32 @@ def outermost_launches(events: Iterable[Any], compiled_frames: int = 0) -> list[
     event's thread and interval, as torch's own event tree reads it, without building that tree: it costs seconds for
     a body's tens of thousands of ops (``torch.autograd.profiler.profile.function_events``)."""
     cpu = torch.autograd.DeviceType.CPU
-    hiders = COMPILING  # hide what they enclose only if their count allows (``hiding`` below)
-    counted: Counter[str] = Counter()
+    compiling = 0  # the compiling ranges among the events
     launches: dict[str, KernelLaunch | None] = {}
     by_thread: dict[int, list[tuple[int, int, str]]] = {}
     for event in events:  # one pass, each event's name read once: a body's profile holds tens of thousands
         name = event.name()
         if name not in launches:
             launches[name] = observed_launch(name)
-        if launches[name] is None and name not in hiders:
+        if launches[name] is None and name not in COMPILING:
             continue  # neither kept nor hiding what it encloses: it changes nothing below
         if event.device_type() != cpu:
             continue
-        if name in hiders:
-            counted[name] += 1
+        if name in COMPILING:
+            compiling += 1
         if event.is_async():
             continue
         if event.start_thread_id() != event.end_thread_id() or getattr(event, "is_hidden_event", bool)():
             continue  # an event on two threads is async, as torch's tree reads it; hidden ones it leaves out
         by_thread.setdefault(event.start_thread_id(), []).append((event.start_ns(), event.end_ns(), name))
-    hiding = COMPILING if sum(counted[name] for name in COMPILING) <= compiled_frames else frozenset()
+    hiding = COMPILING if compiling <= compiled_frames else frozenset()
     kept: list[tuple[int, KernelLaunch]] = []
     for spans in by_thread.values():
         enclosing: list[int] = []  # the ends of the open kept or hiding events around the current one
         for start, end, name in sorted(spans, key=lambda span: (span[0], -span[1])):
             launch = launches[name]
             if launch is None and name not in hiding:
-                continue  # a range whose count says it is not rlsweep's own: it hides nothing
+                continue  # a compiling range whose count says dynamo did not open them all: it hides nothing
             while enclosing and enclosing[-1] <= start:
                 enclosing.pop()
             if enclosing:

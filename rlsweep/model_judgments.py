@@ -62,13 +62,12 @@ def body_provenance_verdict(cell: str, declared: str, attention: Sequence[str], 
                    detail="; ".join([*problems, detail]))  # fmt: skip
 
 
-def module_accuracy_verdicts(table: pd.DataFrame, cell: str, roles: tuple[str, str],
-                             kinds: tuple[str, ...] = MODULE_OP_CLASSES) -> list[Verdict]:  # fmt: skip
-    """One verdict per op class of ``kinds`` over the modules ``rlsweep.module_accuracy.module_accuracy`` judged in
+def module_accuracy_verdicts(table: pd.DataFrame, cell: str, roles: tuple[str, str]) -> list[Verdict]:
+    """One verdict per op class of ``MODULE_OP_CLASSES`` over the modules ``rlsweep.module_accuracy`` judged in
     ``cell``: the largest share of its bound any module used (at most 1 passes); an op class of which no module ran
     is red (nothing was judged)."""
     verdicts = []
-    for kind in kinds:
+    for kind in MODULE_OP_CLASSES:
         rows = table[table.op_class == kind]
         verdict = Verdict(Judgment.MODULE_ACCURACY, kind, *roles, cell, cell, metric="bound_used", value=math.nan,
                           threshold=1.0, passed=False,

@@ -197,7 +197,4 @@ def reported_error(spec: RunSpec, built: BuiltModel, tokens: TokenWorkload, logp
         return (
             f"a float64 copy of {parameters} parameters needs about {needed >> 20} MiB, over half of the {available[1]}"
         )
-    try:
-        return end_to_end_error(built, tokens, logp)
-    except (RuntimeError, NotImplementedError) as err:
-        return f"the model's forward in float64 raised {type(err).__name__}: {str(err).splitlines()[0]}"
+    return end_to_end_error(built, tokens, logp)

@@ -189,7 +189,7 @@ def layout_calls(built: BuiltModel, unrecorded: frozenset[str] = frozenset()) ->
     transformers chose. The modules at the paths ``unrecorded`` (``unrecorded_paths``: row-local modules whose calls
     the divergence recording cannot lay out by token, an MoE's experts) are kept whole, every call."""
     calls: list[Call] = []
-    whole = {id(module) for path, module in built.body.named_modules(prefix="model") if path in unrecorded}
+    kept_whole = {id(module) for path, module in built.body.named_modules(prefix="model") if path in unrecorded}
 
     def keep(path: str, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any, batch: int, **fields):
         slots = CURRENT_SLOTS.get()
@@ -199,7 +199,7 @@ def layout_calls(built: BuiltModel, unrecorded: frozenset[str] = frozenset()) ->
             calls.append(copied_call(path, module, args, kwargs, output, rows, batch, **fields))
 
     def module_call(path: str, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if id(module) in whole:
+        if id(module) in kept_whole:
             with bookkeeping():
                 calls.append(copied_call(path, module, args, kwargs, output))
         else:
@@ -211,28 +211,25 @@ def layout_calls(built: BuiltModel, unrecorded: frozenset[str] = frozenset()) ->
         keep(path, module, args, kwargs, output, batch, kind="attention", layout=call_layout(args, kwargs))
         return output
 
-    hooked = lambda module: op_class(module) == "rotary" or id(module) in whole  # noqa: E731
+    hooked = lambda module: op_class(module) == "rotary" or id(module) in kept_whole  # noqa: E731
     with watching_calls(built, hooked, module_call, attention):
         yield calls
 
 
 def recorded_calls(built: BuiltModel, records: dict) -> list[Call]:
     """The calls of every row-local module (``ROW_LOCAL``) that ``rlsweep.divergence.recording`` recorded in a cell
-    (``ModuleRecord`` by module path), one per module: the input and output rows of its judged tokens, every call's
-    (padding and fillers are not recorded). What ``accuracy_table`` judges of those modules in each cell after the
-    first, with no hooks of its own; a call recorded with other than one per-token input is left out (an op class
+    (``ModuleRecord`` by module path): the input and output rows of its judged tokens (padding and fillers are not
+    recorded), the output on the input's device. What ``accuracy_table`` judges of those modules in each cell after
+    the first, with no hooks of its own; a call recorded with other than one per-token input is left out (an op class
     with nothing judged is red)."""
     modules = dict(built.body.named_modules(prefix="model"))
     calls = []
     for path, record in records.items():
         module = modules.get(path)
         kind = op_class(module) if module is not None else None
-        parts = [(inputs[0], output) for _, inputs, output in record.calls if len(inputs) == 1]
-        if kind not in ROW_LOCAL or not parts:
-            continue
-        device = parts[0][0].device
-        x, y = (torch.cat([t.to(device).reshape(-1, t.shape[-1]) for t in ts]) for ts in zip(*parts, strict=True))
-        calls.append(Call(path, module, (x,), {}, y, kind=kind))
+        if kind in ROW_LOCAL:
+            calls += [Call(path, module, (inputs[0],), {}, output.to(inputs[0].device), kind=kind)
+                      for _, inputs, output in record.calls if len(inputs) == 1]  # fmt: skip
     return calls
 
 
@@ -289,11 +286,13 @@ def rotary_angles(position_ids: torch.Tensor, theta: float, dim: int) -> tuple[t
 GELU_TANH = lambda x: 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))  # noqa: E731
 # The activations a config's ``hidden_act`` names, in float64 (transformers' ACT2FN names; its tanh GELUs are one
 # function): what an MLP's act_fn is judged against, whatever module the model put there.
+SILU = lambda x: x * torch.sigmoid(x)  # noqa: E731
+GELU_ERF = lambda x: 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))  # noqa: E731
 CONFIG_ACTIVATIONS = {
-    "silu": lambda x: x * torch.sigmoid(x),
-    "swish": lambda x: x * torch.sigmoid(x),
-    "gelu": lambda x: 0.5 * x * (1 + torch.erf(x / math.sqrt(2))),
-    "gelu_python": lambda x: 0.5 * x * (1 + torch.erf(x / math.sqrt(2))),
+    "silu": SILU,
+    "swish": SILU,
+    "gelu": GELU_ERF,
+    "gelu_python": GELU_ERF,
     "gelu_new": GELU_TANH,
     "gelu_fast": GELU_TANH,
     "gelu_pytorch_tanh": GELU_TANH,
@@ -548,11 +547,11 @@ def accuracy_table(built: BuiltModel, calls: list[Call]) -> pd.DataFrame:
     return table
 
 
-def end_to_end_error(built: BuiltModel, workload: TokenWorkload, logp: torch.Tensor) -> dict:
+def end_to_end_error(built: BuiltModel, workload: TokenWorkload, logp: torch.Tensor) -> dict | str:
     """The judged tokens' ``logp`` [N] (any cell's, from any head) against a float64 forward of the same weights,
     body and head, each sequence alone (no mask: the truth does not depend on the layout, and a float64 mask's
     lowest value can overflow to -inf in a fully masked padding row). Reported, not judged: no bound is proven for
-    the whole forward."""
+    the whole forward. Where that forward has an op with no float64 kernel, why it was not computed."""
     import copy
     from dataclasses import replace
 
@@ -560,7 +559,10 @@ def end_to_end_error(built: BuiltModel, workload: TokenWorkload, logp: torch.Ten
 
     model64 = copy.deepcopy(built.model).to(torch.float64)
     uninstall(model64)  # the truth is the stock forward's, in float64
-    hidden = torch.cat(cell_hidden(replace(built, model=model64), workload, "B1/full"))
+    try:
+        hidden = torch.cat(cell_hidden(replace(built, model=model64), workload, "B1/full"))
+    except (RuntimeError, NotImplementedError) as err:  # an op with no float64 kernel (an MoE's grouped matmul)
+        return f"the model's forward in float64 raised {type(err).__name__}: {str(err).splitlines()[0]}"
     logits = hidden @ model64.get_output_embeddings().weight.double().T
     targets = torch.cat(workload.targets()).to(hidden.device)
     active = targets >= 0

@@ -78,21 +78,9 @@ sys.path[1:1] = [os.path.abspath(entry) for entry in added if entry not in sys.p
 sys.argv = [request["mode"], *request["args"]]
 mode, target = request["mode"], request["target"]
 del added, request, asked, requests, replies, pid, line, name, devnull
-import atexit, threading
-
-
-def end(status):
-    # End as the interpreter ends up to tearing its modules down (Py_FinalizeEx: non-daemon threads joined, atexit
-    # handlers run, standard streams flushed), then exit without that teardown, which frees torch's, Triton's and
-    # pandas' objects one by one: 0.65 s of CPU a command, for nothing the command does.
-    threading._shutdown()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            status = 120  # as the interpreter's own exit when it cannot flush
-    os._exit(status)
+# End as the interpreter ends up to tearing its modules down, then exit without that teardown, as rlsweep's own
+# command lines end (0.65 s of CPU a command, for nothing the command does).
+from rlsweep.exitcodes import exit_without_teardown as end
 
 
 try:
