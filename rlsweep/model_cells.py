@@ -380,16 +380,13 @@ def decode(built: BuiltModel, sequences: Sequence[Seq], prompt_lens: Sequence[in
 
 
 def needle(built: BuiltModel, sequences: Sequence[Seq], others: int, position: int) -> list[torch.Tensor]:
-    """Each sequence at batch row ``position`` among ``others`` other sequences of the workload (cycled, as
-    fillers), in a right-padded batch."""
+    """The head's needle at the model level: the workload's sequences, in order, at batch rows ``position`` onwards
+    among ``others`` filler sequences (the workload's, cycled), in one right-padded batch of ``others`` + n rows."""
     if not 0 <= position <= others:
         raise ConfigError(f"needle position {position} is outside a batch of {others} others plus the needle")
-    out = []
-    for index, s in enumerate(sequences):
-        fillers = [Seq(sequences[(index + 1 + k) % len(sequences)].ids, -1) for k in range(others)]
-        batch = [*fillers[:position], s, *fillers[position:]]
-        out.append(padded(built, batch, "right")[position])
-    return out
+    fillers = [Seq(sequences[k % len(sequences)].ids, -1) for k in range(others)]
+    batch = [*fillers[:position], *sequences, *fillers[position:]]
+    return padded(built, batch, "right")[position : position + len(sequences)]
 
 
 def batch_chunked(built: BuiltModel, sequences: Sequence[Seq], chunk: int) -> list[torch.Tensor]:

@@ -179,6 +179,32 @@ def test_the_triton_head_is_as_invariant_behind_the_body_as_alone(eager, workloa
     assert (packed - stock).abs().median() < 1e-5 and (packed - stock).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize(("others", "position"), [(1, 0), (3, 1), (5, 5)])
+def test_a_needle_is_one_call_with_the_sequences_at_its_row_among_its_fillers(eager, workload, monkeypatch,
+                                                                             others, position):  # fmt: skip
+    """As the head's needle: the workload's sequences in order at rows ``pos`` onwards of one right-padded batch of
+    ``m`` filler sequences more, and what comes back is those rows' hidden states."""
+    import rlsweep.model_cells as model_cells
+
+    calls, body_hidden = [], model_cells.body_hidden
+
+    def recorded(built, slots, **inputs):
+        calls.append((inputs["input_ids"].clone(), slots.clone()))
+        return body_hidden(built, slots, **inputs)
+
+    monkeypatch.setattr(model_cells, "body_hidden", recorded)
+    hidden = cell_hidden(eager, workload, f"needle/M={others}/pos={position}")
+    (ids, slots), count = calls[0], len(workload.sequences)
+    assert len(calls) == 1 and ids.shape[0] == others + count
+    for row, sequence in enumerate(workload.sequences):
+        assert torch.equal(ids[position + row, : len(sequence)], sequence)
+    fillers = torch.cat([slots[:position], slots[position + count :]])
+    assert (fillers == -1).all() and (slots[position : position + count] >= 0).any(dim=1).all()
+    monkeypatch.undo()
+    alone = cell_hidden(eager, workload, "B1/full")  # eager is row-invariant on this CPU (above)
+    assert all(torch.equal(a, b) for a, b in zip(hidden, alone, strict=True))
+
+
 @pytest.mark.parametrize("cell", ["B1/chunked/3", "needle/M=2/pos=3", "stacked", "alone"])
 def test_an_unknown_or_impossible_cell_is_refused_in_one_line(eager, workload, cell):
     with pytest.raises(ConfigError, match=r"model cell|needle position") as err:
