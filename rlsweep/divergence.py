@@ -9,7 +9,7 @@ fillers are dropped). Two cells' records are then compared token by token, modul
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -24,6 +24,8 @@ from rlsweep.hf_model import BuiltModel
 from rlsweep.model_cells import CURRENT_SLOTS, DEFAULT_CHUNK_SIZE, TRAINER_CELL, TokenWorkload, cell_hidden
 from rlsweep.tables import DIVERGENCE_COLUMNS
 
+LAYOUT_KEYWORDS = ("mask", "cache", "past_key")  # a call's keyword that gives a module other rows than its own
+
 
 @dataclass
 class ModuleRecord:
@@ -33,6 +35,7 @@ class ModuleRecord:
     module_class: str
     order: int  # when it first started, in the cell's execution
     calls: list[tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]] = field(default_factory=list)
+    sees_layout: bool = False  # a call was given the layout (``LAYOUT_KEYWORDS``): a mask or a KV cache
 
     @cached_property
     def rows(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -88,6 +91,8 @@ def recording(built: BuiltModel) -> Iterator[dict[str, ModuleRecord]]:
             records[path] = ModuleRecord(type(module).__name__, len(records))
 
     def ended(path: str, args: tuple, kwargs: dict, output: Any) -> None:
+        if any(word in key for key in kwargs for word in LAYOUT_KEYWORDS):
+            records[path].sees_layout = True
         slots = CURRENT_SLOTS.get()
         if slots is None:
             return
@@ -136,29 +141,78 @@ def record_cell(built: BuiltModel, workload: TokenWorkload, cell: str, chunk_siz
     return records
 
 
-def compared(mine: ModuleRecord, theirs: ModuleRecord) -> tuple[int, bool, int, float]:
-    """(tokens both recorded, whether all their inputs are bitwise equal, outputs whose bits differ, max |diff|)."""
+def aligned(mine: ModuleRecord, theirs: ModuleRecord):
+    """The tokens both records hold, and each record's input bytes and outputs at them, in token order; None for
+    rows whose calls disagreed in shape or dtype (``ModuleRecord.rows``)."""
     tokens_a, inputs_a, outputs_a = mine.rows
     tokens_b, inputs_b, outputs_b = theirs.rows
-    common = sorted(set(tokens_a.tolist()) & set(tokens_b.tolist()))
-    if not common:
+    common = torch.tensor(sorted(set(tokens_a.tolist()) & set(tokens_b.tolist())), dtype=torch.int64)
+    at_a, at_b = torch.searchsorted(tokens_a, common), torch.searchsorted(tokens_b, common)
+
+    def at(rows: torch.Tensor | None, where: torch.Tensor) -> torch.Tensor | None:
+        return None if rows is None else rows[where]
+
+    return common, (at(inputs_a, at_a), at(inputs_b, at_b)), (at(outputs_a, at_a), at(outputs_b, at_b))
+
+
+def outputs_differing(a: torch.Tensor | None, b: torch.Tensor | None, count: int) -> torch.Tensor | None:
+    """Per token, whether its output rows' bits differ; None where the two cannot be compared (shape or dtype)."""
+    if a is None or b is None or a.shape[1:] != b.shape[1:] or a.dtype != b.dtype:
+        return None
+    return (bit_view(a) != bit_view(b)).reshape(count, -1).any(dim=1)
+
+
+def compared(mine: ModuleRecord, theirs: ModuleRecord) -> tuple[int, bool, int, float]:
+    """(tokens both recorded, whether all their inputs are bitwise equal, outputs whose bits differ, max |diff|)."""
+    common, (inputs_a, inputs_b), (a, b) = aligned(mine, theirs)
+    if not len(common):
         return 0, True, 0, 0.0
-    at_a = torch.searchsorted(tokens_a, torch.tensor(common))
-    at_b = torch.searchsorted(tokens_b, torch.tensor(common))
-    inputs_equal = inputs_a is not None and inputs_b is not None and torch.equal(inputs_a[at_a], inputs_b[at_b])
-    if (
-        outputs_a is None
-        or outputs_b is None
-        or outputs_a.shape[1:] != outputs_b.shape[1:]
-        or (outputs_a.dtype != outputs_b.dtype)
-    ):
+    inputs_equal = inputs_a is not None and inputs_b is not None and torch.equal(inputs_a, inputs_b)
+    differ = outputs_differing(a, b, len(common))
+    if differ is None:
         return len(common), inputs_equal, len(common), math.inf
-    a, b = outputs_a[at_a], outputs_b[at_b]
-    differ = (bit_view(a) != bit_view(b)).reshape(len(common), -1).any(dim=1)
     if not bool(differ.any()):
         return len(common), inputs_equal, 0, 0.0
     max_diff = (a[differ].double() - b[differ].double()).abs().max().item()
     return len(common), inputs_equal, int(differ.sum()), max_diff
+
+
+def row_mixing(*cells: Mapping[str, ModuleRecord]) -> set[str]:
+    """The modules whose output row may depend on other rows than its input row: attention modules (a class named
+    ``...Attention``), modules given the layout in a call (``ModuleRecord.sees_layout``: a mask, a KV cache), and
+    every module around one of them. The others are row-local: a token's output is a function of its input rows."""
+    mixing = {
+        path for records in cells for path, record in records.items()
+        if record.sees_layout or record.module_class.endswith("Attention")
+    }  # fmt: skip
+    return mixing | {path.rsplit(".", depth)[0] for path in mixing for depth in range(1, path.count(".") + 1)}
+
+
+def row_local_mismatches(canonical: Mapping[str, ModuleRecord], other: Mapping[str, ModuleRecord]):
+    """Of the row-local modules (not ``row_mixing``) both cells recorded: (how many were compared on some token
+    with bitwise equal inputs, one row per module that gave such a token other bits: module, module_class,
+    tokens_equal_inputs, tokens_differing, max_abs_diff, in the canonical cell's execution order). A row-local
+    module that gets the same input row in two layouts owes it the same output bits, whatever else the calls held."""
+    mixing = row_mixing(canonical, other)
+    compared_modules, rows = 0, []
+    for path, record in sorted(canonical.items(), key=lambda item: item[1].order):
+        if path in mixing or path not in other:
+            continue
+        common, (inputs_a, inputs_b), (a, b) = aligned(record, other[path])
+        if not len(common) or inputs_a is None or inputs_b is None or inputs_a.shape != inputs_b.shape:
+            continue
+        equal = (inputs_a == inputs_b).all(dim=1)
+        if not bool(equal.any()):
+            continue
+        compared_modules += 1
+        differ = outputs_differing(a, b, len(common))
+        moved = equal if differ is None else equal & differ
+        if bool(moved.any()):
+            max_diff = math.inf if differ is None else (a[moved].double() - b[moved].double()).abs().max().item()
+            rows.append({"module": path, "module_class": record.module_class,
+                         "tokens_equal_inputs": int(equal.sum()), "tokens_differing": int(moved.sum()),
+                         "max_abs_diff": max_diff})  # fmt: skip
+    return compared_modules, rows
 
 
 def divergence(canonical: dict[str, ModuleRecord], other: dict[str, ModuleRecord], *, cell: str,

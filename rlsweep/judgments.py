@@ -18,7 +18,7 @@ from rlsweep.arithmetic import kernel_verdicts, planned_kernel_rows
 from rlsweep.contract import ROUNDING_MODEL, Contract, Tolerance
 from rlsweep.execute import CellResult
 from rlsweep.mismatch import METRICS, ActiveTokens
-from rlsweep.model_judgments import MODULE_OP_CLASSES, MODULES
+from rlsweep.model_judgments import MODULE_OP_CLASSES, MODULES, ROW_LOCAL
 from rlsweep.spec import CHAIN_ROLES, DECODE_CELL, DECODE_PARITY_ROLES, ExpectedRed, RunSpec
 from rlsweep.verdicts import (
     FORWARD_TENSORS,
@@ -496,8 +496,9 @@ def planned_verdicts(
     """The kernel verdicts a run over ``cells`` (canonical first) judges, as red placeholders without values.
     ``logits``: the run judges the matmul's stored logits (``rlsweep.arithmetic.judges_logits``); ``tensors``: the
     forward tensors its backend computes (``ProfileSpec.tensors``); ``whole_model``: a whole model's run, which also
-    judges its body's modules; ``bitwise_body``: its body claims every module bitwise (``hf_model.BITWISE_BODIES``),
-    so each cell's modules are judged against the canonical cell's."""
+    judges its body's modules (each op class in every cell, and its row-local modules' bits in every cell after the
+    first); ``bitwise_body``: its body claims every module bitwise (``hf_model.BITWISE_BODIES``), so each cell's
+    modules are judged against the canonical cell's."""
     canonical = cells[0]
 
     def row(judgment: str, tensor: str, roles: str, cell: str, rhs: str, metric: str = NOT_RUN) -> Verdict:
@@ -538,6 +539,8 @@ def planned_verdicts(
         accuracy = Judgment.FORWARD_ACCURACY
         planned += [row(Judgment.MODULE_ACCURACY, kind, accuracy, cell, cell) for cell in cells
                     for kind in MODULE_OP_CLASSES]  # fmt: skip
+        planned += [row(Judgment.FORWARD_INVARIANCE, ROW_LOCAL, invariance_roles(cell), cell, canonical)
+                    for cell in cells[1:]]  # fmt: skip
         if bitwise_body:
             planned += [
                 row(Judgment.FORWARD_INVARIANCE, MODULES, invariance_roles(cell), cell, canonical) for cell in cells[1:]

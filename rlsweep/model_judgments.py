@@ -12,10 +12,11 @@ import torch
 
 from rlsweep.mismatch import METRICS
 from rlsweep.model_cells import ROLLOUT_CELLS, TRAINER_CELL, mismatch_values
-from rlsweep.verdicts import NO_CELL, REPORTED_ONLY, Judgment, Verdict
+from rlsweep.verdicts import FORWARD_TENSORS, NO_CELL, REPORTED_ONLY, Judgment, Verdict
 
 BODY = "body"  # the tensor column of a whole model's body provenance rows (the head's have "")
 MODULES = "modules"  # the tensor column of a bitwise body's per-cell module invariance rows
+ROW_LOCAL = "row_local"  # the tensor column of every body's per-cell row-local module invariance rows
 END_TO_END = "end_to_end"  # the tensor column of the reported end-to-end error row
 # rlsweep.module_accuracy's op classes: one verdict each, in every cell
 MODULE_OP_CLASSES = ("linear", "rmsnorm", "rotary", "activation", "attention")
@@ -141,6 +142,28 @@ def module_invariance_verdict(cell: str, table: pd.DataFrame, canonical: str, ro
                    detail=detail)  # fmt: skip
 
 
+def row_local_verdict(cell: str, compared: int, mismatches: Sequence[Mapping], canonical: str,
+                      roles: tuple[str, str]) -> Verdict:  # fmt: skip
+    """``forward_invariance`` of tensor ``row_local``: every row-local module (``rlsweep.divergence.row_mismatches``)
+    gave each token whose inputs are bitwise equal in ``cell`` and ``canonical`` the same output bits. Judged
+    whatever the logprobs did: a profile whose attention is declared to move every cell still owes it of its linear
+    layers, norms, MLPs and the glue between them. ``compared``: the modules compared on some token; none is red."""
+    if not compared:
+        detail = f"no row-local module of the body got an input row bitwise equal in {cell} and {canonical}"
+    elif not mismatches:
+        detail = f"all {compared} row-local modules gave their equal input rows the bits they gave them in {canonical}"
+    else:
+        first = mismatches[0]
+        detail = (
+            f"{len(mismatches)} of {compared} row-local modules gave equal input rows other bits than in {canonical}; "
+            f"first {first['module']} ({first['module_class']}): {first['tokens_differing']} of "
+            f"{first['tokens_equal_inputs']} tokens with equal inputs, max |diff| {first['max_abs_diff']:.3g}"
+        )
+    return Verdict(Judgment.FORWARD_INVARIANCE, ROW_LOCAL, *roles, cell, canonical, metric="modules_differing",
+                   value=float(len(mismatches)), threshold=0.0, passed=bool(compared) and not mismatches,
+                   detail=detail)  # fmt: skip
+
+
 def naming_first_modules(verdicts: Sequence[Verdict], divergence: pd.DataFrame | None) -> list[Verdict]:
     """``verdicts`` with each failed forward_invariance row of a cell the divergence table covers naming, in its
     detail, that cell's first diverging module: the row a user reads says where the bits first moved."""
@@ -149,7 +172,7 @@ def naming_first_modules(verdicts: Sequence[Verdict], divergence: pd.DataFrame |
     first = divergence[divergence.first_diverging].set_index("cell")
     named = []
     for verdict in verdicts:
-        if verdict.judgment == Judgment.FORWARD_INVARIANCE and not verdict.passed and verdict.tensor != MODULES:
+        if verdict.judgment == Judgment.FORWARD_INVARIANCE and not verdict.passed and verdict.tensor in FORWARD_TENSORS:
             if verdict.lhs_cell in first.index:
                 module = first.loc[verdict.lhs_cell]
                 where = (

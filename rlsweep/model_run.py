@@ -36,6 +36,7 @@ from rlsweep.model_judgments import (
     end_to_end_verdict,
     module_accuracy_verdicts,
     module_invariance_verdict,
+    row_local_verdict,
     trainer_rollout_verdicts,
 )
 from rlsweep.module_accuracy import (
@@ -92,7 +93,7 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
                         observed: dict[str, Any]):  # fmt: skip
     """The model, its workload and every cell through ``op``; provenance, module and trainer-rollout verdicts as
     they come. Returns ``rlsweep.run.Computed`` with a gold per cell and the divergence rows."""
-    from rlsweep.divergence import divergence, recording
+    from rlsweep.divergence import divergence, recording, row_local_mismatches
     from rlsweep.run import Computed, unique_provenance
 
     profile, contract = spec.profile, spec.contract
@@ -142,9 +143,12 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
         computed.results.append(result)
         computed.golds.append(CellGold(reference, workload, standard))
         if number > 1:
-            roles = contract.roles_for(Judgment.FORWARD_ACCURACY)
             judged = [*layout, *recorded_calls(built, records)]
-            verdicts += module_accuracy_verdicts(accuracy_table(built, judged), name, roles)
+            verdicts += module_accuracy_verdicts(accuracy_table(built, judged), name,
+                                                 contract.roles_for(Judgment.FORWARD_ACCURACY))  # fmt: skip
+            # Whatever the logprobs did: a row-local module owes an equal input row its bits in every layout.
+            verdicts.append(row_local_verdict(name, *row_local_mismatches(canonical_records, records), cells[0],
+                                              contract.roles_for(invariance_roles(name))))  # fmt: skip
         del layout
         if number == 1:
             canonical_records, unrecorded = records, unrecorded_paths(built, records)

@@ -252,38 +252,63 @@ def test_the_packing_control_is_red_in_every_cell_with_the_first_layers_attentio
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+ACCURACY, INVARIANCE = "module_accuracy", "forward_invariance"
+
+
 @pytest.mark.parametrize(
     ("bug", "cells", "reds"),
     [
         # Left-padded tokens see their pads; causality still hides a right-padded row's pads after its tokens.
-        ("padding_mask_ignored", "BN/packed,BN/pad_right,BN/pad_left", {("attention", "BN/pad_left")}),
+        ("padding_mask_ignored", "BN/packed,BN/pad_right,BN/pad_left", {(ACCURACY, "attention", "BN/pad_left")}),
         # Positions counted from the cache, not given: right for a call that holds one sequence from its start only
         # (varlen4's prompts are of one length, so decode's left-padded prefill has no pad to count).
-        ("position_ids_dropped", "BN/packed,B1/full,BN/pad_left", {("rotary", "BN/packed"), ("rotary", "BN/pad_left")}),
-        # Another matmul path for calls of several sequences (a padded batch, each decode step), not the packed row.
+        (
+            "position_ids_dropped",
+            "BN/packed,B1/full,BN/pad_left",
+            {(ACCURACY, "rotary", "BN/packed"), (ACCURACY, "rotary", "BN/pad_left")},
+        ),
+        # Another matmul path for calls of several sequences (a padded batch, each decode step), not the packed row:
+        # out of its bound, and other bits for the rows the packed row gave the same inputs.
         (
             "linear_batched_bf16_sum",
             "BN/packed,BN/pad_right,decode",
-            {("linear", "BN/pad_right"), ("linear", "decode")},
+            {
+                (j, t, c)
+                for j, t in ((ACCURACY, "linear"), (INVARIANCE, "row_local"))
+                for c in ("BN/pad_right", "decode")
+            },
+        ),
+        # Glue no op class covers: the MLP's output scaled for calls of several sequences. Every op within its bound;
+        # the MLP gives the rows whose inputs the packed row gave it other bits.
+        (
+            "mlp_batch_scaled",
+            "BN/packed,B1/full,BN/pad_right,decode",
+            {(INVARIANCE, "row_local", "BN/pad_right"), (INVARIANCE, "row_local", "decode")},
         ),
     ],
 )
 def test_a_layout_bug_is_red_where_it_acts_though_the_profile_declares_its_cells_red(tmp_path, bug, cells, reds):
     """hf_sdpa_cpu_bf16 declares forward_invariance red in every cell (its kernel rounds per layout), so a bug that
     only moves the logprobs of some layouts (a leaked padding mask, positions not the sequence's own, a batched matmul
-    path) moved no verdict it had not declared. Every module is judged in every cell, attention and RoPE against what
-    the cell's layout says: red in the cells the bug acts in, by far, and only there."""
+    path, batched glue) moved no verdict it had not declared. Every module is judged in every cell, attention and RoPE
+    against what the cell's layout says, and every row-local module (linear, norm, MLP, activation) owes a row the
+    packed row gave the same inputs the same bits: red in the cells the bug acts in, by far, and only there."""
     env = {"PYTHONPATH": import_path(TESTS), "RLSWEEP_BODY_BUG": bug}
     done = run_rlsweep(tmp_path, MODEL, "profile=hf_sdpa_cpu_bf16", "profile.backend_module=bug_bodies",
                        f"layout.cells=[{cells}]", env=env)  # fmt: skip
     assert done.returncode == 2, done.stderr[-3000:]
     checks = tables(tmp_path)["checks"]
     failed = checks[~checks.passed & checks.expected_pass]  # the profile's own reds are declared
-    assert set(failed.judgment) == {"module_accuracy"}, failed.detail.tolist()
-    assert set(zip(failed.tensor, failed.lhs_cell, strict=True)) == reds and (failed.value > 100).all()
-    modules = checks[(checks.judgment == "module_accuracy") & (checks.tensor != "end_to_end")]
+    assert set(zip(failed.judgment, failed.tensor, failed.lhs_cell, strict=True)) == reds, failed.detail.tolist()
+    accuracy = failed[failed.judgment == ACCURACY]
+    assert (accuracy.value > 100).all(), accuracy.detail.tolist()
+    glue = failed[failed.tensor == "row_local"]
+    assert glue.detail.str.contains(r"first model\.layers\.0\.(?:mlp|self_attn\.q_proj) ").all(), glue.detail.tolist()
+    modules = checks[(checks.judgment == ACCURACY) & (checks.tensor != "end_to_end")]
     assert set(modules.lhs_cell) == set(cells.split(",")) and len(modules) == 5 * len(cells.split(","))
     assert not modules.value.isna().any(), modules.detail.tolist()  # every op class judged something in every cell
+    row_local = checks[checks.tensor == "row_local"]
+    assert set(row_local.lhs_cell) == set(cells.split(",")[1:]) and (row_local.value >= 0).all()
 
 
 MOE = ("model.name=moe_tiny", "model.body.hf_config.model_type=qwen3_moe", "+model.body.hf_config.num_experts=4",
@@ -326,7 +351,7 @@ def test_the_invariant_body_is_bitwise_in_every_model_cell_and_its_trainer_match
     moved = {"BN/pad_right", "BN/pad_left", "BN/permuted", "BN/chunked", "B1/full", "B1/chunked", "decode",
              "needle/M=1/pos=0", "needle/M=3/pos=1", "needle/M=3/pos=3"}  # fmt: skip
     assert set(invariance.lhs_cell) == moved and set(invariance.rhs_cell) == {"BN/packed"}
-    assert set(invariance.tensor) == {"logp", "lse", "modules"} and len(invariance) == 3 * len(moved)
+    assert set(invariance.tensor) == {"logp", "lse", "modules", "row_local"} and len(invariance) == 4 * len(moved)
     assert invariance.passed.all() and (invariance.value == 0).all(), invariance.detail.tolist()
     modules = tables(tmp_path)["divergence"]  # every cell's modules compared, none moved
     assert set(modules.cell) == moved and (modules.tokens_differing == 0).all() and (modules.tokens > 0).all()

@@ -14,7 +14,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import kernels  # noqa: E402
-from rlsweep.divergence import DIVERGENCE_COLUMNS, first_diverging  # noqa: E402
+from rlsweep.divergence import (  # noqa: E402
+    DIVERGENCE_COLUMNS,
+    first_diverging,
+    record_cell,
+    row_local_mismatches,
+    row_mixing,
+)
 from rlsweep.errors import ConfigError, ReplayInputError  # noqa: E402
 from rlsweep.hf_model import WholeModelSpec, build_model, weights_hash  # noqa: E402
 from rlsweep.model_cells import (  # noqa: E402
@@ -210,6 +216,27 @@ def test_an_unknown_or_impossible_cell_is_refused_in_one_line(eager, workload, c
     with pytest.raises(ConfigError, match=r"model cell|needle position") as err:
         cell_hidden(eager, workload, cell)
     assert "\n" not in str(err.value)
+
+
+def test_row_local_modules_are_those_around_no_attention_and_given_no_layout(workload):
+    """Attention modules, modules given a mask or a KV cache, and every module around them may mix rows; the others
+    (embedding, norms, linears, MLPs, activations, rotary) owe an equal input row the same bits in every layout:
+    stock sdpa moves its attention in every cell and still gives them the same bits."""
+    sdpa = build_model(spec(), dtype=torch.bfloat16, attention="sdpa")
+    packed = record_cell(sdpa, workload, "BN/packed", 5)
+    mixing = row_mixing(packed)
+    assert {"model", "model.layers.0", "model.layers.0.self_attn", "model.layers.1.self_attn"} <= mixing
+    assert not {path for path in mixing if path.endswith(("mlp", "proj", "norm", "embed_tokens", "rotary_emb"))}
+    for cell in ("BN/pad_right", "decode", "B1/chunked"):
+        compared, mismatches = row_local_mismatches(packed, record_cell(sdpa, workload, cell, 5))
+        assert compared >= 10 and mismatches == [], (cell, mismatches)
+    shuffled = record_cell(sdpa, workload, "BN/pad_right", 5)
+    norm = shuffled["model.layers.0.input_layernorm"]
+    tokens, inputs, output = norm.calls[0]
+    norm.calls[0] = (tokens, inputs, output.flip(0))  # rows handed back to the wrong tokens
+    norm.__dict__.pop("rows", None)
+    _, mismatches = row_local_mismatches(packed, shuffled)
+    assert [m["module"] for m in mismatches] == ["model.layers.0.input_layernorm"] and mismatches[0]["max_abs_diff"] > 0
 
 
 def test_the_first_diverging_op_of_stock_sdpa_is_its_first_attention(workload, tmp_path):
