@@ -30,22 +30,30 @@ WITH_TRACEBACK = (
     "codes.one_line = lambda err: (traceback.print_exception(err), line(err))[1]; "
     "sys.argv = ['rlsweep', *sys.argv[1:]]; runpy.run_module('rlsweep', run_name='__main__')"
 )
+ROW_LOCAL_FIRST = re.compile(r"first \S+ \(\w+\): \d+ of \d+ tokens")  # a red row_local row's first module
 MOVED = re.compile(r"(\d+) of (\d+) active tokens differ.*?max \|diff\| ([0-9.e+-]+|inf|nan)")
 
 
 def findings(run_dir: Path) -> list[dict]:
-    """Per cell: its logp forward_invariance verdict, the tokens that moved and by how much, the first module."""
+    """Per cell: its logp forward_invariance verdict, the tokens that moved and by how much, the first module, and
+    its row_local verdict (row-local modules that gave equal input rows other bits, the first of them)."""
     checks = pd.read_parquet(run_dir / "checks")
     divergence = pd.read_parquet(run_dir / "divergence")
     first = divergence[divergence.first_diverging].set_index("cell") if len(divergence) else divergence
     rows = []
     invariance = checks[(checks.judgment == "forward_invariance") & (checks.tensor == "logp")]
+    row_local = checks[(checks.judgment == "forward_invariance") & (checks.tensor == "row_local")]
     for verdict in invariance.itertuples():
         moved = MOVED.search(verdict.detail)
         row = {"cell": verdict.lhs_cell, "passed": bool(verdict.passed),
                "tokens_moved": int(moved.group(1)) if moved else 0, "judged": int(moved.group(2)) if moved else None,
                "max_abs_dlogp": float(moved.group(3)) if moved else 0.0, "first_module": "", "module_tokens": 0,
                "module_max_abs_diff": 0.0}  # fmt: skip
+        local = row_local[row_local.lhs_cell == verdict.lhs_cell]
+        if len(local):
+            named = ROW_LOCAL_FIRST.search(local.detail.iloc[0])
+            row["row_local_modules_differing"] = int(local.value.iloc[0])
+            row["row_local_first"] = "" if local.passed.iloc[0] else named.group(0) if named else local.detail.iloc[0]
         if len(first) and verdict.lhs_cell in first.index:
             module = first.loc[verdict.lhs_cell]
             row.update(first_module=module.module, module_tokens=int(module.tokens_differing),
