@@ -188,30 +188,92 @@ def row_mixing(*cells: Mapping[str, ModuleRecord]) -> set[str]:
     return mixing | {path.rsplit(".", depth)[0] for path in mixing for depth in range(1, path.count(".") + 1)}
 
 
+@dataclass(frozen=True)
+class RowEquality:
+    """Per token both cells recorded for one module (``tokens``, ascending): whether its input rows (all of them, by
+    bit pattern) and its output rows are bitwise equal in both cells; False where they cannot be compared (another
+    shape or dtype). ``a``, ``b``: the output rows, for the size of a difference."""
+
+    tokens: torch.Tensor
+    inputs: torch.Tensor
+    outputs: torch.Tensor
+    a: torch.Tensor | None
+    b: torch.Tensor | None
+
+    @classmethod
+    def of(cls, mine: ModuleRecord, theirs: ModuleRecord) -> RowEquality:
+        common, (inputs_a, inputs_b), (a, b) = aligned(mine, theirs)
+        none = torch.zeros(len(common), dtype=torch.bool)
+        comparable = inputs_a is not None and inputs_b is not None and inputs_a.shape == inputs_b.shape
+        inputs = (inputs_a == inputs_b).all(dim=1) if comparable else none
+        differ = outputs_differing(a, b, len(common))
+        return cls(common, inputs, none if differ is None else ~differ, a, b)
+
+    def at(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(recorded, inputs equal, outputs equal) at ``tokens``: all False where this module has no such token."""
+        where = torch.searchsorted(self.tokens, tokens).clamp(max=max(len(self.tokens) - 1, 0))
+        recorded = self.tokens[where] == tokens if len(self.tokens) else torch.zeros_like(tokens, dtype=torch.bool)
+        if not len(self.tokens):
+            return recorded, recorded, recorded
+        return recorded, recorded & self.inputs[where], recorded & self.outputs[where]
+
+    def largest_difference(self, moved: torch.Tensor) -> float:
+        if self.a is None or self.b is None or self.a.shape != self.b.shape or self.a.dtype != self.b.dtype:
+            return math.inf
+        return (self.a[moved].double() - self.b[moved].double()).abs().max().item()
+
+
 def row_local_mismatches(canonical: Mapping[str, ModuleRecord], other: Mapping[str, ModuleRecord]):
-    """Of the row-local modules (not ``row_mixing``) both cells recorded: (how many were compared on some token
-    with bitwise equal inputs, one row per module that gave such a token other bits: module, module_class,
-    tokens_equal_inputs, tokens_differing, max_abs_diff, in the canonical cell's execution order). A row-local
-    module that gets the same input row in two layouts owes it the same output bits, whatever else the calls held."""
+    """What acts row by row gives equal rows equal bits, in both cells: (how many modules were compared on some token,
+    one row per module that broke it: module, module_class, part, tokens_equal_inputs, tokens_differing,
+    max_abs_diff, in the canonical cell's execution order).
+
+    - A row-local module (not ``row_mixing``) owes a token whose input rows are equal the same output bits.
+    - A module that mixes rows only through its children (a decoder layer around its attention, the model around its
+      layers) is glue between them, and glue acts row by row: for a token whose inputs are equal, each child it calls
+      gets equal inputs as long as the children before it gave that token equal outputs (``part``: the child's input),
+      and its output is equal where every child's was (``part``: ``output``).
+    - A module that mixes rows in its own code (an attention module, around its attention function) is not judged.
+    """
     mixing = row_mixing(canonical, other)
+    paths = [path for path, _ in sorted(canonical.items(), key=lambda item: item[1].order) if path in other]
+    equality = {path: RowEquality.of(canonical[path], other[path]) for path in paths}
+    children: dict[str, list[str]] = {path: [] for path in paths}
+    for path in paths:
+        parent = next((path.rsplit(".", d)[0] for d in range(1, path.count(".") + 1)
+                       if path.rsplit(".", d)[0] in children), None)  # fmt: skip
+        if parent is not None:
+            children[parent].append(path)
     compared_modules, rows = 0, []
-    for path, record in sorted(canonical.items(), key=lambda item: item[1].order):
-        if path in mixing or path not in other:
+    for path in paths:
+        judged = equality[path]
+        if path not in mixing:
+            parts: list[str] = []
+        elif any(child in mixing for child in children[path]):
+            parts = children[path]
+        else:
             continue
-        common, (inputs_a, inputs_b), (a, b) = aligned(record, other[path])
-        if not len(common) or inputs_a is None or inputs_b is None or inputs_a.shape != inputs_b.shape:
-            continue
-        equal = (inputs_a == inputs_b).all(dim=1)
-        if not bool(equal.any()):
+        known = judged.inputs.clone()
+        if not bool(known.any()):
             continue
         compared_modules += 1
-        differ = outputs_differing(a, b, len(common))
-        moved = equal if differ is None else equal & differ
-        if bool(moved.any()):
-            max_diff = math.inf if differ is None else (a[moved].double() - b[moved].double()).abs().max().item()
-            rows.append({"module": path, "module_class": record.module_class,
-                         "tokens_equal_inputs": int(equal.sum()), "tokens_differing": int(moved.sum()),
-                         "max_abs_diff": max_diff})  # fmt: skip
+        broken = None
+        for child in parts:
+            recorded, inputs_equal, outputs_equal = equality[child].at(judged.tokens)
+            moved = known & recorded & ~inputs_equal
+            if bool(moved.any()):
+                broken = (f"input of {child}", moved, math.nan)
+                break
+            known &= outputs_equal
+        if broken is None:
+            moved = known & ~judged.outputs
+            if bool(moved.any()):
+                broken = ("output", moved, judged.largest_difference(moved))
+        if broken is not None:
+            part, moved, largest = broken
+            rows.append({"module": path, "module_class": canonical[path].module_class, "part": part,
+                         "tokens_equal_inputs": int(judged.inputs.sum()), "tokens_differing": int(moved.sum()),
+                         "max_abs_diff": largest})  # fmt: skip
     return compared_modules, rows
 
 

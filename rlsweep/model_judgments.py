@@ -144,20 +144,23 @@ def module_invariance_verdict(cell: str, table: pd.DataFrame, canonical: str, ro
 
 def row_local_verdict(cell: str, compared: int, mismatches: Sequence[Mapping], canonical: str,
                       roles: tuple[str, str]) -> Verdict:  # fmt: skip
-    """``forward_invariance`` of tensor ``row_local``: every row-local module (``rlsweep.divergence.row_mismatches``)
-    gave each token whose inputs are bitwise equal in ``cell`` and ``canonical`` the same output bits. Judged
-    whatever the logprobs did: a profile whose attention is declared to move every cell still owes it of its linear
-    layers, norms, MLPs and the glue between them. ``compared``: the modules compared on some token; none is red."""
+    """``forward_invariance`` of tensor ``row_local``: what acts row by row in the body (its row-local modules, and the
+    glue of the modules around its attention: ``rlsweep.divergence.row_local_mismatches``) gave each token whose inputs
+    are bitwise equal in ``cell`` and ``canonical`` equal bits. Judged whatever the logprobs did: a profile whose
+    attention is declared to move every cell still owes it of its linear layers, norms, MLPs and the residual adds
+    between them. ``compared``: the modules compared on some token; none is red."""
     if not compared:
-        detail = f"no row-local module of the body got an input row bitwise equal in {cell} and {canonical}"
+        detail = f"no module of the body got an input row bitwise equal in {cell} and {canonical}: nothing was compared"
     elif not mismatches:
-        detail = f"all {compared} row-local modules gave their equal input rows the bits they gave them in {canonical}"
+        detail = f"all {compared} modules that act row by row gave equal input rows the bits they gave in {canonical}"
     else:
         first = mismatches[0]
+        size = "" if math.isnan(first["max_abs_diff"]) else f", max |diff| {first['max_abs_diff']:.3g}"
+        part = "its output" if first["part"] == "output" else f"the {first['part']}"
         detail = (
-            f"{len(mismatches)} of {compared} row-local modules gave equal input rows other bits than in {canonical}; "
-            f"first {first['module']} ({first['module_class']}): {first['tokens_differing']} of "
-            f"{first['tokens_equal_inputs']} tokens with equal inputs, max |diff| {first['max_abs_diff']:.3g}"
+            f"{len(mismatches)} of {compared} modules that act row by row gave equal input rows other bits than in "
+            f"{canonical}; first {first['module']} ({first['module_class']}), {part}: {first['tokens_differing']} of "
+            f"{first['tokens_equal_inputs']} tokens with equal inputs{size}"
         )
     return Verdict(Judgment.FORWARD_INVARIANCE, ROW_LOCAL, *roles, cell, canonical, metric="modules_differing",
                    value=float(len(mismatches)), threshold=0.0, passed=bool(compared) and not mismatches,

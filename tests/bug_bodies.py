@@ -135,6 +135,24 @@ def mlp_batch_scaled() -> None:
     modeling_qwen3.Qwen3MLP.forward = forward
 
 
+def residual_batch_scaled() -> None:
+    """A decoder layer whose residual add after attention scales the residual by 1 + 2^-6 when the call holds more
+    than one sequence: glue between modules, in no module of its own."""
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
+                position_embeddings=None, **kwargs):  # fmt: skip
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(
+            hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+            position_ids=position_ids, cache=cache, use_cache=use_cache, position_embeddings=position_embeddings,
+            **kwargs,
+        )  # fmt: skip
+        hidden_states = (residual * (1 + 2**-6) if residual.shape[0] > 1 else residual) + hidden_states
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+    modeling_qwen3.Qwen3DecoderLayer.forward = forward
+
+
 def linear_batched_bf16_sum() -> None:
     """Linear layers that take another kernel path when the call holds more than one sequence: its products summed in
     two halves of K, each rounded to bf16 before they are added (a split-K kernel for batched shapes that keeps its
@@ -178,6 +196,7 @@ BUGS = {
     bug.__name__: bug
     for bug in (norms_in_bf16, norm_eps_1e3, rope_base_1e4, position_ids_dropped, scores_over_head_dim,
                 scores_scaled_1pct, padding_mask_ignored, attention_swapped, softmax_in_bf16, silu_in_bf16,
-                mlp_batch_scaled, linear_batched_bf16_sum, attention_split_from_length, linear_left_stock)
+                mlp_batch_scaled, residual_batch_scaled, linear_batched_bf16_sum, attention_split_from_length,
+                linear_left_stock)
 }  # fmt: skip
 BUGS[os.environ["RLSWEEP_BODY_BUG"]]()

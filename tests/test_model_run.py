@@ -285,14 +285,22 @@ ACCURACY, INVARIANCE = "module_accuracy", "forward_invariance"
             "BN/packed,B1/full,BN/pad_right,decode",
             {(INVARIANCE, "row_local", "BN/pad_right"), (INVARIANCE, "row_local", "decode")},
         ),
+        # Glue in no module of its own: a decoder layer's residual add scaled for calls of several sequences. The
+        # layer's norm after attention gets other inputs where its attention gave the same outputs.
+        (
+            "residual_batch_scaled",
+            "BN/packed,B1/full,BN/pad_right,decode",
+            {(INVARIANCE, "row_local", "BN/pad_right"), (INVARIANCE, "row_local", "decode")},
+        ),
     ],
 )
 def test_a_layout_bug_is_red_where_it_acts_though_the_profile_declares_its_cells_red(tmp_path, bug, cells, reds):
     """hf_sdpa_cpu_bf16 declares forward_invariance red in every cell (its kernel rounds per layout), so a bug that
     only moves the logprobs of some layouts (a leaked padding mask, positions not the sequence's own, a batched matmul
     path, batched glue) moved no verdict it had not declared. Every module is judged in every cell, attention and RoPE
-    against what the cell's layout says, and every row-local module (linear, norm, MLP, activation) owes a row the
-    packed row gave the same inputs the same bits: red in the cells the bug acts in, by far, and only there."""
+    against what the cell's layout says, and what acts row by row (linear, norm, MLP, activation, and the glue of the
+    layers around attention) owes a row the packed row gave the same inputs the same bits: red in the cells the bug
+    acts in, by far, and only there."""
     env = {"PYTHONPATH": import_path(TESTS), "RLSWEEP_BODY_BUG": bug}
     done = run_rlsweep(tmp_path, MODEL, "profile=hf_sdpa_cpu_bf16", "profile.backend_module=bug_bodies",
                        f"layout.cells=[{cells}]", env=env)  # fmt: skip
@@ -302,8 +310,12 @@ def test_a_layout_bug_is_red_where_it_acts_though_the_profile_declares_its_cells
     assert set(zip(failed.judgment, failed.tensor, failed.lhs_cell, strict=True)) == reds, failed.detail.tolist()
     accuracy = failed[failed.judgment == ACCURACY]
     assert (accuracy.value > 100).all(), accuracy.detail.tolist()
+    first = {"linear_batched_bf16_sum": "model.layers.0.self_attn.q_proj (Linear), its output",
+             "mlp_batch_scaled": "model.layers.0.mlp (Qwen3MLP), its output",
+             "residual_batch_scaled": "model.layers.0 (Qwen3DecoderLayer), the input of "
+                                      "model.layers.0.post_attention_layernorm"}  # fmt: skip
     glue = failed[failed.tensor == "row_local"]
-    assert glue.detail.str.contains(r"first model\.layers\.0\.(?:mlp|self_attn\.q_proj) ").all(), glue.detail.tolist()
+    assert glue.detail.str.contains(f"first {first.get(bug)}", regex=False).all(), glue.detail.tolist()
     modules = checks[(checks.judgment == ACCURACY) & (checks.tensor != "end_to_end")]
     assert set(modules.lhs_cell) == set(cells.split(",")) and len(modules) == 5 * len(cells.split(","))
     assert not modules.value.isna().any(), modules.detail.tolist()  # every op class judged something in every cell
