@@ -422,12 +422,14 @@ def dlogp_vs_canonical(tokens: pd.DataFrame, tensor: str = "logp") -> pd.DataFra
 
 def cell_outcomes(checks: pd.DataFrame) -> pd.DataFrame:
     """The verdict of each run's cell that ``dlogp_vs_canonical`` compares: one row per (run_dir, cell) with an
-    ``outcome`` (``rlsweep.verdicts.Outcome``), the worst of its INVARIANCE_JUDGMENTS verdicts on logp and lse.
+    ``outcome`` (``rlsweep.verdicts.Outcome``), the worst of its INVARIANCE_JUDGMENTS verdicts on logp and lse, and
+    of a whole model's forward_invariance rows of its body (``row_local``, a bitwise body's ``modules``).
 
     A cell without such a verdict (the canonical cell of a group's baseline run, compared with itself) has no row.
     """
     require_frame(checks, [RUN_DIR, "judgment", "tensor", "lhs_cell", "passed", "expected_pass"], "a load_checks frame")
-    rows = checks[checks["judgment"].isin(INVARIANCE_JUDGMENTS) & checks["tensor"].isin(FORWARD_TENSORS)]
+    forward = checks["judgment"] == Judgment.FORWARD_INVARIANCE  # logp, lse, and a whole model's body rows
+    rows = checks[forward | (checks["judgment"].isin(INVARIANCE_JUDGMENTS) & checks["tensor"].isin(FORWARD_TENSORS))]
     worst = list(Outcome)  # worst first
     rank = [worst.index(outcome(*row)) for row in zip(rows["passed"], rows["expected_pass"], strict=True)]
     ranked = pd.DataFrame({RUN_DIR: rows[RUN_DIR].astype(str), "cell": rows["lhs_cell"].astype(str), "rank": rank})

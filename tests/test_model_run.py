@@ -15,10 +15,12 @@ pytest.importorskip("transformers")
 
 from rlsweep_fixtures import import_path, multirun, run_rlsweep
 
+from rlsweep import analysis
 from rlsweep.gate import DIVERGENCE_PNG, load_run, run_gate
 from rlsweep.planned import plan_problems
 from rlsweep.report import main as report_main
 from rlsweep.tables import DIVERGENCE_COLUMNS, RUN_COLUMNS
+from rlsweep.verdicts import Outcome
 
 TESTS = Path(__file__).parent
 MODEL = "model=qwen3_tiny"
@@ -321,6 +323,10 @@ def test_a_layout_bug_is_red_where_it_acts_though_the_profile_declares_its_cells
     assert not modules.value.isna().any(), modules.detail.tolist()  # every op class judged something in every cell
     row_local = checks[checks.tensor == "row_local"]
     assert set(row_local.lhs_cell) == set(cells.split(",")[1:]) and (row_local.value >= 0).all()
+    # The report colours a cell by its worst invariance verdict, the body's rows included: red where the bug acts.
+    outcomes = analysis.cell_outcomes(analysis.load_checks(tmp_path)).set_index("cell").outcome
+    invariance_reds = {cell for judgment, _, cell in reds if judgment == INVARIANCE}
+    assert {cell for cell, out in outcomes.items() if out == Outcome.NOT_AS_EXPECTED} == invariance_reds
 
 
 MOE = ("model.name=moe_tiny", "model.body.hf_config.model_type=qwen3_moe", "+model.body.hf_config.num_experts=4",
