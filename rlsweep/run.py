@@ -181,7 +181,7 @@ def execute(spec: RunSpec, location: RunLocation, identity: RunIdentity, *, stan
         planned = planned_verdicts(spec.layout.cell_names, contract, grad=spec.grad, logits=judges_logits(spec),
                                    tensors=profile.tensors, whole_model=spec.model.body is not None,
                                    bitwise_body=spec.bitwise_body)  # fmt: skip
-        verdicts += not_run_verdicts(judged, planned, stopped_by_provenance(computed.stopped))
+        verdicts += not_run_verdicts(verdicts, planned, stopped_by_provenance(computed.stopped))  # judged: not again
     verdicts = apply_expected(verdicts, spec.expectations)
     verdicts += declaration_rows(verdicts, spec.declarations, profile.name, spec.tp, standalone=standalone)
     metadata = {

@@ -329,6 +329,52 @@ def test_a_layout_bug_is_red_where_it_acts_though_the_profile_declares_its_cells
     assert {cell for cell, out in outcomes.items() if out == Outcome.NOT_AS_EXPECTED} == invariance_reds
 
 
+# A head backend that runs its declared ops for its first two calls (the first two cells), then takes its lse through
+# amax and sum, which it does not declare: provenance stops the kernels in the third cell.
+LATE_SNEAK = """
+import torch
+import kernels
+from trainer_backend import CAPABILITY, REDUCES
+from kernels.backend import STOCK_MATMUL_OPS
+
+
+@kernels.register_backend(
+    "late_sneak", kernels={"matmul": STOCK_MATMUL_OPS, "logprob": REDUCES, "tp_merge": REDUCES}, capability=CAPABILITY
+)
+class LateSneak:
+    calls = 0
+
+    def logits_logprob(self, logits, targets):
+        LateSneak.calls += 1
+        x = logits.float()
+        logp = torch.log_softmax(x, -1).gather(-1, targets[:, None]).squeeze(-1)
+        if LateSneak.calls <= 2:
+            return logp, torch.logsumexp(x, -1)
+        top = x.amax(-1, keepdim=True)
+        return logp, (top + (x - top).exp().sum(-1, keepdim=True).log()).squeeze(-1)
+"""
+
+
+def test_a_run_whose_head_provenance_stops_in_a_later_cell_is_red_with_every_planned_row_once(tmp_path):
+    """The verdicts a whole model's run had judged before provenance stopped it (the module and row_local rows of the
+    cells before) were planned again as not run: the run ended as a harness fault (exit 1), not red."""
+    (tmp_path / "late_sneak.py").write_text(LATE_SNEAK)
+    backend = ("profile.backend_family=late_sneak", "profile.backend_module=late_sneak",
+               "profile.required_nodes={matmul:late_sneak,logprob:late_sneak,tp_merge:late_sneak}")  # fmt: skip
+    done = run_rlsweep(tmp_path / "run", MODEL, "profile=hf_sdpa_cpu_bf16", SMALL, *backend,
+                       env={"PYTHONPATH": import_path(tmp_path, TESTS)})  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    checks = tables(tmp_path / "run")["checks"]
+    keys = checks[["judgment", "tensor", "lhs_cell", "metric"]].astype(str).agg("/".join, axis=1)
+    assert not keys.duplicated().any(), keys[keys.duplicated()].tolist()
+    failed = checks[~checks.passed & checks.expected_pass]
+    provenance = failed[failed.judgment == "provenance"]
+    assert set(provenance.lhs_cell) == {"decode"}, failed[["judgment", "tensor", "lhs_cell", "detail"]]
+    assert failed.detail.str.contains("backend 'late_sneak' launched 'aten::amax'").all()  # the rest: not run for it
+    judged = checks[(checks.lhs_cell == "BN/pad_right") & checks.tensor.isin(["linear", "row_local"])]
+    assert len(judged) == 2 and judged.passed.all() and (judged.metric != "not_run").all()
+
+
 MOE = ("model.name=moe_tiny", "model.body.hf_config.model_type=qwen3_moe", "+model.body.hf_config.num_experts=4",
        "+model.body.hf_config.num_experts_per_tok=2", "+model.body.hf_config.moe_intermediate_size=64")  # fmt: skip
 
