@@ -164,17 +164,21 @@ def outputs_differing(a: torch.Tensor | None, b: torch.Tensor | None, count: int
 
 def compared(mine: ModuleRecord, theirs: ModuleRecord) -> tuple[int, bool, int, float]:
     """(tokens both recorded, whether all their inputs are bitwise equal, outputs whose bits differ, max |diff|)."""
-    common, (inputs_a, inputs_b), (a, b) = aligned(mine, theirs)
-    if not len(common):
+    equality = RowEquality.of(mine, theirs)
+    if not len(equality.tokens):
         return 0, True, 0, 0.0
-    inputs_equal = inputs_a is not None and inputs_b is not None and torch.equal(inputs_a, inputs_b)
-    differ = outputs_differing(a, b, len(common))
-    if differ is None:
-        return len(common), inputs_equal, len(common), math.inf
+    differ = ~equality.outputs
     if not bool(differ.any()):
-        return len(common), inputs_equal, 0, 0.0
-    max_diff = (a[differ].double() - b[differ].double()).abs().max().item()
-    return len(common), inputs_equal, int(differ.sum()), max_diff
+        return len(equality.tokens), bool(equality.inputs.all()), 0, 0.0
+    return len(equality.tokens), bool(equality.inputs.all()), int(differ.sum()), equality.largest_difference(differ)
+
+
+def ancestors(path: str) -> Iterator[str]:
+    """The paths around a module's ``path``, the nearest first: ``model.layers.0.mlp`` -> ``model.layers.0``,
+    ``model.layers``, ``model``."""
+    while "." in path:
+        path = path.rsplit(".", 1)[0]
+        yield path
 
 
 def row_mixing(*cells: Mapping[str, ModuleRecord]) -> set[str]:
@@ -185,7 +189,7 @@ def row_mixing(*cells: Mapping[str, ModuleRecord]) -> set[str]:
         path for records in cells for path, record in records.items()
         if record.sees_layout or record.module_class.endswith("Attention")
     }  # fmt: skip
-    return mixing | {path.rsplit(".", depth)[0] for path in mixing for depth in range(1, path.count(".") + 1)}
+    return mixing | {outer for path in mixing for outer in ancestors(path)}
 
 
 @dataclass(frozen=True)
@@ -211,10 +215,11 @@ class RowEquality:
 
     def at(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(recorded, inputs equal, outputs equal) at ``tokens``: all False where this module has no such token."""
-        where = torch.searchsorted(self.tokens, tokens).clamp(max=max(len(self.tokens) - 1, 0))
-        recorded = self.tokens[where] == tokens if len(self.tokens) else torch.zeros_like(tokens, dtype=torch.bool)
         if not len(self.tokens):
-            return recorded, recorded, recorded
+            none = torch.zeros_like(tokens, dtype=torch.bool)
+            return none, none, none
+        where = torch.searchsorted(self.tokens, tokens).clamp(max=len(self.tokens) - 1)
+        recorded = self.tokens[where] == tokens
         return recorded, recorded & self.inputs[where], recorded & self.outputs[where]
 
     def largest_difference(self, moved: torch.Tensor) -> float:
@@ -240,8 +245,7 @@ def row_local_mismatches(canonical: Mapping[str, ModuleRecord], other: Mapping[s
     equality = {path: RowEquality.of(canonical[path], other[path]) for path in paths}
     children: dict[str, list[str]] = {path: [] for path in paths}
     for path in paths:
-        parent = next((path.rsplit(".", d)[0] for d in range(1, path.count(".") + 1)
-                       if path.rsplit(".", d)[0] in children), None)  # fmt: skip
+        parent = next((outer for outer in ancestors(path) if outer in children), None)  # the nearest recorded
         if parent is not None:
             children[parent].append(path)
     compared_modules, rows = 0, []
