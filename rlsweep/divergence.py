@@ -9,7 +9,7 @@ fillers are dropped). Two cells' records are then compared token by token, modul
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -181,6 +181,12 @@ def ancestors(path: str) -> Iterator[str]:
         yield path
 
 
+def innermost(paths: Sequence[str]) -> set[str]:
+    """The paths among ``paths`` with none of the others inside them (``model.layers.0.mlp.act_fn``, not the
+    ``model.layers.0.mlp`` around it): where a difference both show began."""
+    return {path for path in paths if not any(other.startswith(path + ".") for other in paths)}
+
+
 def row_mixing(*cells: Mapping[str, ModuleRecord]) -> set[str]:
     """The modules whose output row may depend on other rows than its input row: attention modules (a class named
     ``...Attention``), modules given the layout in a call (``ModuleRecord.sees_layout``: a mask, a KV cache), and
@@ -300,10 +306,8 @@ def divergence(canonical: dict[str, ModuleRecord], other: dict[str, ModuleRecord
         })  # fmt: skip
     table = pd.DataFrame(rows, columns=list(DIVERGENCE_COLUMNS))
     culprits = table[table.inputs_equal & (table.tokens_differing > 0)]
-    leaves = [
-        index for index, path in culprits.module.items()
-        if not any(other_path.startswith(path + ".") for other_path in culprits.module)
-    ]  # fmt: skip
+    inner = innermost(list(culprits.module))
+    leaves = [index for index, path in culprits.module.items() if path in inner]
     if leaves:
         table.loc[min(leaves, key=lambda index: table.order[index]), "first_diverging"] = True
     return table

@@ -153,8 +153,11 @@ def row_local_verdict(cell: str, compared: int, mismatches: Sequence[Mapping], c
         detail = f"no module of the body got an input row bitwise equal in {cell} and {canonical}: nothing was compared"
     elif not mismatches:
         detail = f"all {compared} modules that act row by row gave equal input rows the bits they gave in {canonical}"
-    else:
-        first = mismatches[0]
+    else:  # named: the first to run of those with no other inside them (an MLP's act_fn, not the MLP around it)
+        from rlsweep.divergence import innermost
+
+        leaves = innermost([m["module"] for m in mismatches])
+        first = next(m for m in mismatches if m["module"] in leaves)
         size = "" if math.isnan(first["max_abs_diff"]) else f", max |diff| {first['max_abs_diff']:.3g}"
         part = "its output" if first["part"] == "output" else f"the {first['part']}"
         detail = (

@@ -32,6 +32,7 @@ from rlsweep.model_cells import (  # noqa: E402
     token_workload,
     trainer_vs_rollout,
 )
+from rlsweep.model_judgments import row_local_verdict  # noqa: E402
 from rlsweep.module_accuracy import ACCURACY_COLUMNS, end_to_end_error, module_accuracy  # noqa: E402
 
 QWEN3_TINY = {
@@ -235,8 +236,18 @@ def test_row_local_modules_are_those_around_no_attention_and_given_no_layout(wor
     tokens, inputs, output = norm.calls[0]
     norm.calls[0] = (tokens, inputs, output.flip(0))  # rows handed back to the wrong tokens
     norm.__dict__.pop("rows", None)
-    _, mismatches = row_local_mismatches(packed, shuffled)
-    assert [m["module"] for m in mismatches] == ["model.layers.0.input_layernorm"] and mismatches[0]["max_abs_diff"] > 0
+    for path in ("model.layers.0.mlp", "model.layers.0.mlp.act_fn"):  # an act_fn bug moves the MLP around it too
+        record = shuffled[path]
+        record.calls = [(tokens, inputs, output.flip(0)) for tokens, inputs, output in record.calls]
+        record.__dict__.pop("rows", None)
+    compared, mismatches = row_local_mismatches(packed, shuffled)
+    assert [m["module"] for m in mismatches] == [
+        "model.layers.0.input_layernorm",
+        "model.layers.0.mlp",
+        "model.layers.0.mlp.act_fn",
+    ] and all(m["max_abs_diff"] > 0 for m in mismatches)
+    verdict = row_local_verdict("BN/pad_right", compared, mismatches[1:], "BN/packed", ("a", "b"))
+    assert "first model.layers.0.mlp.act_fn (" in verdict.detail and not verdict.passed  # the innermost is named
 
 
 def test_the_first_diverging_op_of_stock_sdpa_is_its_first_attention(workload, tmp_path):
