@@ -21,7 +21,6 @@ import importlib
 import multiprocessing.connection
 import os
 import queue
-import shutil
 import signal
 import tempfile
 import threading
@@ -363,7 +362,11 @@ def rank_loop(
         if dist.is_initialized():
             dist.destroy_process_group()
         if not mp.parent_process().is_alive():
-            shutil.rmtree(workdir, ignore_errors=True)
+            # The store of the last rank to leave removes the rendezvous file; the dir goes once it is empty. Removed
+            # sooner, a peer still leaving waited out COLLECTIVE_TIMEOUT for the file to exist again (a store opening
+            # its file retries while the path is missing), an orphan for half an hour.
+            with contextlib.suppress(OSError):
+                os.rmdir(workdir)
             # No caller is left to read this rank's queues or wait for it: it ends here, not through the interpreter's
             # teardown, whose joins (a queue's feeder thread, a backend's threads) could keep an orphan alive.
             os._exit(0)
