@@ -69,7 +69,7 @@ class ModelConfig:
 
 @dataclass
 class ExpectedVerdictConfig:
-    """Verdict rows expected to be red (strict: one that passes is itself red).
+    """Verdict rows expected to be red (``strict``, the default: one that passes is itself red; false: it may pass).
 
     Declared in a profile (``profile.expected_red``) or at the top level by a sweep config
     (``expected_red``), where ``profiles`` picks the profiles it applies to.
@@ -81,6 +81,7 @@ class ExpectedVerdictConfig:
     cells: list[str] = field(default_factory=lambda: ["*"])  # fnmatch patterns over cell names
     tensors: list[str] = field(default_factory=lambda: ["*"])
     reason: str = MISSING
+    strict: bool = True
 
 
 @dataclass

@@ -443,12 +443,14 @@ def declaration_rows(
 
 
 def apply_expected(verdicts: list[Verdict], declarations: Sequence[ExpectedRed]) -> list[Verdict]:
-    """expected_pass = False where a declaration matches judgment, cell and tensor (strict, per row) of a verdict that
-    was judged: one never computed stays expected to pass, so it is red as not run, never "as expected"."""
+    """expected_pass = False where a declaration matches judgment, cell and tensor (per row) of a verdict that was
+    judged, and for a declaration that is not strict only where the verdict failed (one that passed is as expected
+    too): one never computed stays expected to pass, so it is red as not run, never "as expected"."""
     out = []
     for verdict in verdicts:
         expected_red = verdict.judged and any(
-            d.declares(verdict.judgment, verdict.lhs_cell, verdict.tensor) for d in declarations
+            d.declares(verdict.judgment, verdict.lhs_cell, verdict.tensor) and (d.strict or not verdict.passed)
+            for d in declarations
         )
         out.append(replace(verdict, expected_pass=not expected_red))
     return out

@@ -155,7 +155,10 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class ExpectedRed:
-    """Verdict rows expected to be red (strict: one that passes is itself red); docs/sweeps.md."""
+    """Verdict rows expected to be red; docs/sweeps.md#expected-verdicts-in-a-sweep. Strict (the default): a row it
+    covers that passes is itself red. Not strict: a row it covers may pass or fail, for a stock stack whose bits there
+    follow the machine's kernels (the CPU's instruction set) and the workload's lengths, measured red on some machines
+    and green on others; it still must cover some judged row."""
 
     judgment: str
     reason: str
@@ -163,9 +166,15 @@ class ExpectedRed:
     tp: tuple[int, ...] | None = None  # the tp degrees it applies to; None (the key left out): every tp
     cells: tuple[str, ...] = ("*",)  # fnmatch patterns over cell names
     tensors: tuple[str, ...] = ("*",)
+    strict: bool = True
 
     def __post_init__(self) -> None:
         choice("expected_red judgment", self.judgment, DECLARABLE)
+        if not isinstance(self.strict, bool):
+            raise ConfigError(
+                f"expected_red {{judgment: {self.judgment}, reason: {self.reason}}}: strict={self.strict!r} is not a "
+                "boolean; use true (a covered row that passes is red) or false (it may pass or fail)"
+            )
         # An empty list would select nothing; leaving the key out is how a declaration says "every".
         for selector in ("profiles", "tp", "cells", "tensors"):
             if getattr(self, selector) is not None and not getattr(self, selector):
@@ -196,7 +205,8 @@ class ExpectedRed:
     def describe(self) -> str:
         tp = f" tp={list(self.tp)}" if self.tp is not None else ""
         return (f"expected_red {{judgment: {self.judgment}, profiles: {list(self.profiles)}{tp}, "
-                f"cells: {list(self.cells)}, tensors: {list(self.tensors)}}} ({self.reason})")  # fmt: skip
+                f"cells: {list(self.cells)}, tensors: {list(self.tensors)}{'' if self.strict else ', strict: false'}}} "
+                f"({self.reason})")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -79,14 +79,18 @@ def test_stock_sdpa_is_red_in_the_moved_cells_and_names_its_first_attention(sdpa
     checks, divergence = found["checks"], found["divergence"]
     failed = red(checks)
     assert set(failed.judgment) == {"forward_invariance"}, failed.detail.tolist()[:3]
-    assert {"BN/pad_right", "B1/full", "decode", "BN/chunked"} <= set(failed.lhs_cell)
+    # The cells sdpa's blocks move on every CPU measured (a padded batch and the needles on some only).
+    assert {"B1/full", "decode", "BN/chunked", "B1/chunked"} <= set(failed.lhs_cell)
     assert list(divergence.columns) == [*RUN_COLUMNS.names, *DIVERGENCE_COLUMNS]
     first = divergence[divergence.first_diverging]
     assert set(first.cell) == set(failed.lhs_cell)  # one first module per red cell
-    assert (first.module == "model.layers.0.self_attn").all() and (first.tokens_differing > 0).all()
+    # An attention module, layer 0's in most cells (on an AVX2 CPU layer 1's in BN/pad_left, whose layer 0 agreed).
+    assert first.module.str.fullmatch(r"model\.layers\.\d+\.self_attn").all() and (first.tokens_differing > 0).all()
+    assert (first.module == "model.layers.0.self_attn").sum() >= len(first) - 1
     # Each red row names its cell's first diverging module, as the divergence table does.
-    named = "first diverging module model.layers.0.self_attn (Qwen3Attention)"
-    assert failed.detail.str.contains(named, regex=False).all()
+    module_of = first.set_index("cell").module
+    for row in failed.itertuples():
+        assert f"first diverging module {module_of[row.lhs_cell]} (Qwen3Attention)" in row.detail, row.detail
     assert (divergence.canonical_cell == "BN/packed").all()
     rollout = checks[(checks.judgment == "trainer_rollout")].set_index(["lhs_cell", "metric"]).value
     assert rollout["decode", "k3_kl"] > 0 and rollout["decode", "ppl_ratio"] != 1.0
@@ -311,7 +315,7 @@ def test_a_layout_bug_is_red_where_it_acts_though_the_profile_declares_its_cells
     failed = checks[~checks.passed & checks.expected_pass]  # the profile's own reds are declared
     assert set(zip(failed.judgment, failed.tensor, failed.lhs_cell, strict=True)) == reds, failed.detail.tolist()
     accuracy = failed[failed.judgment == ACCURACY]
-    assert (accuracy.value > 100).all(), accuracy.detail.tolist()
+    assert (accuracy.value > 20).all(), accuracy.detail.tolist()  # 86 times its bound with AVX2, over 100 with AVX-512
     first = {"linear_batched_bf16_sum": "model.layers.0.self_attn.q_proj (Linear), its output",
              "mlp_batch_scaled": "model.layers.0.mlp (Qwen3MLP), its output",
              "residual_batch_scaled": "model.layers.0 (Qwen3DecoderLayer), the input of "

@@ -157,6 +157,25 @@ def test_a_verdict_never_computed_is_never_red_as_declared(tmp_path):
     assert run_gate(tmp_path).exit_code == ExitCode.RED
 
 
+@pytest.mark.parametrize(("profile", "strict", "exit_code", "failed_as_declared"),
+                         [("cpu_bf16", "true", 2, False), ("cpu_bf16", "false", 0, False),
+                          ("negative_control_cpu", "false", 0, True)])  # fmt: skip
+def test_a_declaration_that_is_not_strict_lets_a_covered_row_pass_or_fail(
+    tmp_path, profile, strict, exit_code, failed_as_declared
+):
+    """For a stock stack whose bits in a cell follow the CPU's kernels: a strict declaration's row that passes is red
+    (a stale declaration); one that is not strict lets it pass, and still lets it fail as declared."""
+    declaration = f"{{judgment: forward_invariance, strict: {strict}, reason: test}}"
+    done = run_rlsweep(tmp_path, "layout=smoke", f"profile={profile}", f"+profile.expected_red=[{declaration}]")
+    assert done.returncode == exit_code, done.stdout + done.stderr
+    _, checks = read(tmp_path)
+    covered = checks[checks.judgment == "forward_invariance"]
+    assert len(covered) and (covered.passed == (not failed_as_declared)).all()
+    assert (covered.expected_pass == (strict == "false" and not failed_as_declared)).all()
+    matched = checks[checks.judgment == "expected_red"]
+    assert matched.empty  # it matched its rows, passed or failed
+
+
 def test_an_inconsistent_logprob_contract_is_a_usage_error(tmp_path):
     done = run_rlsweep(tmp_path, "layout=smoke", "profile.determinism_scope=cross_tp_bitwise")
     assert done.returncode == 1

@@ -150,10 +150,12 @@ def test_eager_attention_gives_the_same_bits_in_every_cell_on_this_cpu(eager, wo
 
 
 def test_stock_sdpa_moves_logprobs_between_cells_on_this_cpu(workload):
+    """A chunk against the KV cache and a decode step hold far fewer keys than the packed row: sdpa's blocks fall
+    otherwise on every CPU measured. A padded batch moves on some CPUs only (docs/whole_model.md)."""
     sdpa = build_model(spec(), dtype=torch.bfloat16, attention="sdpa")
     packed, _ = cell_logprobs(sdpa, workload, "BN/packed", backend="aten")
     moved = {}
-    for cell in ("BN/pad_right", "decode", "B1/chunked"):
+    for cell in ("decode", "B1/chunked"):
         logp, _ = cell_logprobs(sdpa, workload, cell, backend="aten")
         moved[cell] = int((kernels.bit_view(logp) != kernels.bit_view(packed)).sum())
     assert all(count > 0 for count in moved.values()), moved
