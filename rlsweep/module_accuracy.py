@@ -47,7 +47,9 @@ SCALE_FP32_ROUNDINGS = 8
 SCALE_SIGMAS = 8.0
 
 
-ROW_LOCAL = ("linear", "rmsnorm", "activation")  # op classes whose every output row depends on its input row alone
+# Op classes whose every output row depends on its input row alone (not the tensor row_local of model_judgments,
+# which judges every module around no attention, whatever its op class).
+ROW_LOCAL_OP_CLASSES = ("linear", "rmsnorm", "activation")
 ACTIVATION_MODULES = ("torch.nn.modules.activation", "transformers.activations")  # where activation classes live
 SOFTMAX_OPS = ("aten._softmax.default", "aten._safe_softmax.default")  # what a softmax reaches at the dispatcher
 
@@ -217,30 +219,31 @@ def layout_calls(built: BuiltModel, unrecorded: frozenset[str] = frozenset()) ->
 
 
 def recorded_calls(built: BuiltModel, records: dict) -> list[Call]:
-    """The calls of every row-local module (``ROW_LOCAL``) that ``rlsweep.divergence.recording`` recorded in a cell
-    (``ModuleRecord`` by module path): the input and output rows of its judged tokens (padding and fillers are not
-    recorded), the output on the input's device. What ``accuracy_table`` judges of those modules in each cell after
-    the first, with no hooks of its own; a call recorded with other than one per-token input is left out (an op class
-    with nothing judged is red)."""
+    """The calls of every module of a row-local op class (``ROW_LOCAL_OP_CLASSES``) that
+    ``rlsweep.divergence.recording`` recorded in a cell (``ModuleRecord`` by module path): the input and output rows of
+    its judged tokens (padding and fillers are not recorded), the output on the input's device. What ``accuracy_table``
+    judges of those modules in each cell after the first, with no hooks of its own; a call recorded with other than one
+    per-token input is left out (an op class with nothing judged is red)."""
     modules = dict(built.body.named_modules(prefix="model"))
     calls = []
     for path, record in records.items():
         module = modules.get(path)
         kind = op_class(module) if module is not None else None
-        if kind in ROW_LOCAL:
+        if kind in ROW_LOCAL_OP_CLASSES:
             calls += [Call(path, module, (inputs[0],), {}, output.to(inputs[0].device), kind=kind)
                       for _, inputs, output in record.calls if len(inputs) == 1]  # fmt: skip
     return calls
 
 
 def unrecorded_paths(built: BuiltModel, records: dict) -> frozenset[str]:
-    """The row-local modules (``ROW_LOCAL``) of which ``rlsweep.divergence.recording`` recorded no call by token in a
-    cell (``records``: the canonical cell's), so ``recorded_calls`` cannot judge them in the other cells: modules
-    called on rows other than the call's [batch, position] (an MoE's experts, on the tokens routed to them)."""
+    """The modules of a row-local op class (``ROW_LOCAL_OP_CLASSES``) of which ``rlsweep.divergence.recording`` recorded
+    no call by token in a cell (``records``: the canonical cell's), so ``recorded_calls`` cannot judge them in the other
+    cells: modules called on rows other than the call's [batch, position] (an MoE's experts, on the tokens routed to
+    them)."""
     laid_out = {path for path, record in records.items() if any(len(inputs) == 1 for _, inputs, _ in record.calls)}
     return frozenset(
         path for path, module in built.body.named_modules(prefix="model")
-        if op_class(module) in ROW_LOCAL and path not in laid_out
+        if op_class(module) in ROW_LOCAL_OP_CLASSES and path not in laid_out
     )  # fmt: skip
 
 
@@ -481,21 +484,21 @@ def judge_call(built: BuiltModel, call: Call) -> tuple[str, int, float, float, t
 
 
 def row_io(call: Call, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input, output) of a call of a row-local op class (``ROW_LOCAL``), positional or by keyword."""
+    """(input, output) of a call of a row-local op class (``ROW_LOCAL_OP_CLASSES``), positional or by keyword."""
     keyword = {"linear": "input", "rmsnorm": "hidden_states"}.get(kind, "input")
     return (call.args or (call.kwargs.get(keyword),))[0], call.output
 
 
 def merged_rows(calls: list[Call]) -> list[Call]:
-    """``calls`` with every call of one row-local module (``ROW_LOCAL``) made one: their input and output rows
-    concatenated ([rows, features]), so a cell of hundreds of calls (a decode, a chunked prefill) computes each
-    module's float64 reference once. Each output row depends on its input row alone, so every element's error and
-    bound are the ones its own call gives; calls whose rows differ in features or dtype stay apart."""
+    """``calls`` with every call of one module of a row-local op class (``ROW_LOCAL_OP_CLASSES``) made one: their input
+    and output rows concatenated ([rows, features]), so a cell of hundreds of calls (a decode, a chunked prefill)
+    computes each module's float64 reference once. Each output row depends on its input row alone, so every element's
+    error and bound are the ones its own call gives; calls whose rows differ in features or dtype stay apart."""
     order: list[Call | tuple] = []
     groups: dict[tuple, list[Call]] = {}
     for call in calls:
         kind = call.kind or op_class(call.module)
-        x, y = row_io(call, kind) if kind in ROW_LOCAL else (None, None)
+        x, y = row_io(call, kind) if kind in ROW_LOCAL_OP_CLASSES else (None, None)
         if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor) or x.dim() == 0 or y.dim() == 0:
             order.append(call)
             continue
