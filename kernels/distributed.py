@@ -362,14 +362,19 @@ def rank_loop(
         if dist.is_initialized():
             dist.destroy_process_group()
         if not mp.parent_process().is_alive():
-            # The store of the last rank to leave removes the rendezvous file; the dir goes once it is empty. Removed
-            # sooner, a peer still leaving waited out COLLECTIVE_TIMEOUT for the file to exist again (a store opening
-            # its file retries while the path is missing), an orphan for half an hour.
-            with contextlib.suppress(OSError):
-                os.rmdir(workdir)
+            leave_rendezvous(workdir)
             # No caller is left to read this rank's queues or wait for it: it ends here, not through the interpreter's
             # teardown, whose joins (a queue's feeder thread, a backend's threads) could keep an orphan alive.
             os._exit(0)
+
+
+def leave_rendezvous(workdir: str) -> None:
+    """An orphaned rank's share of removing the rendezvous dir: the dir goes once it is empty, never sooner. The store
+    of the last rank to leave the group removes the rendezvous file; removed before that, a peer still leaving waited
+    out COLLECTIVE_TIMEOUT for the file to exist again (a store opening its file retries while the path is missing),
+    an orphan for half an hour."""
+    with contextlib.suppress(OSError):  # not empty (a peer's store is still in it), or already gone
+        os.rmdir(workdir)
 
 
 def next_request(requests):

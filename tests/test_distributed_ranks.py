@@ -23,7 +23,7 @@ import torch
 from rlsweep_fixtures import run_rlsweep
 
 import kernels
-from kernels.distributed import RankGroup
+from kernels.distributed import RankGroup, leave_rendezvous
 
 VOCAB, TILE = 100, 16
 SPLIT = kernels.ShardingSpec.even(VOCAB, TILE, 2)
@@ -208,6 +208,20 @@ def gone(pid: int, start: str | None = "") -> bool:
     except FileNotFoundError:
         return True
     return fields[0] in "ZX" or (start != "" and fields[19] != start)
+
+
+def test_an_orphaned_rank_removes_the_rendezvous_dir_only_once_its_peers_stores_are_gone(tmp_path):
+    """Removed while a peer's store still held the rendezvous file, the peer waited half an hour for it to come back
+    (CI saw a killed caller's rank outlive the test below)."""
+    workdir = tmp_path / "rlsweep-tp-x"
+    (workdir / "rendezvous").parent.mkdir()
+    (workdir / "rendezvous").write_bytes(b"")
+    leave_rendezvous(str(workdir))
+    assert (workdir / "rendezvous").exists()
+    (workdir / "rendezvous").unlink()  # the last store to leave removes its file
+    leave_rendezvous(str(workdir))
+    assert not workdir.exists()
+    leave_rendezvous(str(workdir))  # the peer that comes after finds nothing to remove
 
 
 def test_ctrl_c_stops_the_ranks_through_their_caller_without_a_traceback_from_them():
