@@ -162,9 +162,8 @@ def outputs_differing(a: torch.Tensor | None, b: torch.Tensor | None, count: int
     return (bit_view(a) != bit_view(b)).reshape(count, -1).any(dim=1)
 
 
-def compared(mine: ModuleRecord, theirs: ModuleRecord) -> tuple[int, bool, int, float]:
+def compared(equality: RowEquality) -> tuple[int, bool, int, float]:
     """(tokens both recorded, whether all their inputs are bitwise equal, outputs whose bits differ, max |diff|)."""
-    equality = RowEquality.of(mine, theirs)
     if not len(equality.tokens):
         return 0, True, 0, 0.0
     differ = ~equality.outputs
@@ -234,10 +233,21 @@ class RowEquality:
         return (self.a[moved].double() - self.b[moved].double()).abs().max().item()
 
 
-def row_local_mismatches(canonical: Mapping[str, ModuleRecord], other: Mapping[str, ModuleRecord]):
+def equalities(canonical: Mapping[str, ModuleRecord], other: Mapping[str, ModuleRecord]) -> dict[str, RowEquality]:
+    """Each module both cells recorded, in the canonical cell's execution order, with its ``RowEquality``: what
+    ``divergence`` and ``row_local_mismatches`` read, computed once for a pair of cells that both judge."""
+    return {
+        path: RowEquality.of(record, other[path])
+        for path, record in sorted(canonical.items(), key=lambda item: item[1].order) if path in other
+    }  # fmt: skip
+
+
+def row_local_mismatches(canonical: Mapping[str, ModuleRecord], other: Mapping[str, ModuleRecord], *,
+                         equality: Mapping[str, RowEquality] | None = None):  # fmt: skip
     """What acts row by row gives equal rows equal bits, in both cells: (how many modules were compared on some token,
     one row per module that broke it: module, module_class, part, tokens_equal_inputs, tokens_differing,
-    max_abs_diff, in the canonical cell's execution order).
+    max_abs_diff, in the canonical cell's execution order). ``equality``: ``equalities`` of the two, when already
+    computed.
 
     - A row-local module (not ``row_mixing``) owes a token whose input rows are equal the same output bits.
     - A module that mixes rows only through its children (a decoder layer around its attention, the model around its
@@ -247,8 +257,8 @@ def row_local_mismatches(canonical: Mapping[str, ModuleRecord], other: Mapping[s
     - A module that mixes rows in its own code (an attention module, around its attention function) is not judged.
     """
     mixing = row_mixing(canonical, other)
-    paths = [path for path, _ in sorted(canonical.items(), key=lambda item: item[1].order) if path in other]
-    equality = {path: RowEquality.of(canonical[path], other[path]) for path in paths}
+    equality = equalities(canonical, other) if equality is None else equality
+    paths = list(equality)
     children: dict[str, list[str]] = {path: [] for path in paths}
     for path in paths:
         parent = next((outer for outer in ancestors(path) if outer in children), None)  # the nearest recorded
@@ -288,17 +298,15 @@ def row_local_mismatches(canonical: Mapping[str, ModuleRecord], other: Mapping[s
 
 
 def divergence(canonical: dict[str, ModuleRecord], other: dict[str, ModuleRecord], *, cell: str,
-               canonical_cell: str) -> pd.DataFrame:  # fmt: skip
+               canonical_cell: str, equality: Mapping[str, RowEquality] | None = None) -> pd.DataFrame:  # fmt: skip
     """One row per module of both cells, in the canonical cell's execution order: the tokens both recorded, whether
     every one of their inputs is bitwise equal, how many outputs differ and by how much at most, and whether it is
     the first diverging module: of the modules with equal inputs and a differing output, those with no such module
-    inside them, the first to start."""
+    inside them, the first to start. ``equality``: ``equalities`` of the two, when already computed."""
     rows = []
-    for path, record in sorted(canonical.items(), key=lambda item: item[1].order):
-        theirs = other.get(path)
-        if theirs is None:
-            continue
-        tokens, inputs_equal, differing, max_diff = compared(record, theirs)
+    for path, equal in (equalities(canonical, other) if equality is None else equality).items():
+        record = canonical[path]
+        tokens, inputs_equal, differing, max_diff = compared(equal)
         rows.append({
             "cell": cell, "canonical_cell": canonical_cell, "module": path, "module_class": record.module_class,
             "order": record.order, "depth": path.count("."), "tokens": tokens, "inputs_equal": inputs_equal,

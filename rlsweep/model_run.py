@@ -93,7 +93,7 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
                         observed: dict[str, Any]):  # fmt: skip
     """The model, its workload and every cell through ``op``; provenance, module and trainer-rollout verdicts as
     they come. Returns ``rlsweep.run.Computed`` with a gold per cell and the divergence rows."""
-    from rlsweep.divergence import divergence, recording, row_local_mismatches
+    from rlsweep.divergence import divergence, equalities, recording, row_local_mismatches
     from rlsweep.run import Computed, unique_provenance
 
     profile, contract = spec.profile, spec.contract
@@ -147,14 +147,18 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
             verdicts += module_accuracy_verdicts(accuracy_table(built, judged), name,
                                                  contract.roles_for(Judgment.FORWARD_ACCURACY))  # fmt: skip
             # Whatever the logprobs did: a row-local module owes an equal input row its bits in every layout.
-            verdicts.append(row_local_verdict(name, *row_local_mismatches(canonical_records, records), cells[0],
+            equality = equalities(canonical_records, records)  # the row_local verdict's and the divergence table's
+            mismatches = row_local_mismatches(canonical_records, records, equality=equality)
+            verdicts.append(row_local_verdict(name, *mismatches, cells[0],
                                               contract.roles_for(invariance_roles(name))))  # fmt: skip
         del layout
         if number == 1:
             canonical_records, unrecorded = records, unrecorded_paths(built, records)
         elif spec.bitwise_body or differs(result, computed.results[0]):
-            tables.append(divergence(canonical_records, records, cell=name, canonical_cell=cells[0]))
+            tables.append(divergence(canonical_records, records, cell=name, canonical_cell=cells[0],
+                                     equality=equality))  # fmt: skip
         del records  # freed before the next cell records its own
+        equality = None  # and the rows its comparison with the canonical cell kept
     if computed.stopped:
         return computed
     for result in computed.results:
