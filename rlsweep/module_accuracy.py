@@ -564,7 +564,7 @@ def end_to_end_error(built: BuiltModel, workload: TokenWorkload, logp: torch.Ten
     uninstall(model64)  # the truth is the stock forward's, in float64
     try:
         hidden = torch.cat(cell_hidden(replace(built, model=model64), workload, "B1/full"))
-    except RuntimeError as err:  # an op with no float64 kernel (an MoE's grouped matmul); NotImplementedError is one
+    except RuntimeError as err:  # an op with no float64 kernel (an MoE's grouped matmul): its error subclasses this
         return f"the model's forward in float64 raised {type(err).__name__}: {str(err).splitlines()[0]}"
     logits = hidden @ model64.get_output_embeddings().weight.double().T
     targets = torch.cat(workload.targets()).to(hidden.device)
