@@ -10,6 +10,7 @@ from dataclasses import replace
 import pandas as pd
 import torch
 
+from rlsweep.divergence import innermost
 from rlsweep.mismatch import METRICS
 from rlsweep.model_cells import ROLLOUT_CELLS, TRAINER_CELL, mismatch_values
 from rlsweep.verdicts import FORWARD_TENSORS, NO_CELL, REPORTED_ONLY, Judgment, Verdict
@@ -154,8 +155,6 @@ def row_local_verdict(cell: str, compared: int, mismatches: Sequence[Mapping], c
     elif not mismatches:
         detail = f"all {compared} modules that act row by row gave equal input rows the bits they gave in {canonical}"
     else:  # named: the first to run of those with no other inside them (an MLP's act_fn, not the MLP around it)
-        from rlsweep.divergence import innermost
-
         leaves = innermost([m["module"] for m in mismatches])
         first = next(m for m in mismatches if m["module"] in leaves)
         size = "" if math.isnan(first["max_abs_diff"]) else f", max |diff| {first['max_abs_diff']:.3g}"
