@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 import pandas as pd
 import torch
@@ -27,6 +27,16 @@ from rlsweep.tables import DIVERGENCE_COLUMNS
 LAYOUT_KEYWORDS = ("mask", "cache", "past_key")  # a call's keyword that gives a module other rows than its own
 
 
+class RecordedCall(NamedTuple):
+    """One call of a module, by logical token: its tokens, the rows of its per-token inputs (its main input first,
+    ``main_first``), its output rows, and whether the first input is the main one."""
+
+    tokens: torch.Tensor
+    inputs: list[torch.Tensor]
+    output: torch.Tensor
+    main: bool
+
+
 @dataclass
 class ModuleRecord:
     """One module's rows by logical token, gathered call by call: each call's tokens, the rows of its per-token
@@ -34,8 +44,16 @@ class ModuleRecord:
 
     module_class: str
     order: int  # when it first started, in the cell's execution
-    calls: list[tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]] = field(default_factory=list)
+    calls: list[RecordedCall] = field(default_factory=list)
     sees_layout: bool = False  # a call was given the layout (``LAYOUT_KEYWORDS``): a mask or a KV cache
+
+    @cached_property
+    def picked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens ascending, where each token's last rows are among the calls' rows concatenated)."""
+        tokens = torch.cat([call.tokens for call in self.calls])
+        last = {token: index for index, token in enumerate(tokens.tolist())}
+        order = sorted(last)
+        return torch.tensor(order, dtype=torch.int64), torch.tensor([last[t] for t in order], dtype=torch.int64)
 
     @cached_property
     def rows(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -44,15 +62,20 @@ class ModuleRecord:
         is compared with every moved cell's, and gathers its rows once."""
         if not self.calls:
             return torch.empty(0, dtype=torch.int64), None, None
-        tokens = torch.cat([call[0] for call in self.calls])
-        last = {token: index for index, token in enumerate(tokens.tolist())}
-        order = sorted(last)
-        picked = torch.tensor([last[token] for token in order], dtype=torch.int64)
+        tokens, picked = self.picked
         return (
-            torch.tensor(order, dtype=torch.int64),
-            stacked([token_bytes(c[1], len(c[0])) for c in self.calls], picked),
-            stacked([c[2] for c in self.calls], picked),
+            tokens,
+            stacked([token_bytes(call.inputs, len(call.tokens)) for call in self.calls], picked),
+            stacked([call.output for call in self.calls], picked),
         )
+
+    @cached_property
+    def main_input(self) -> torch.Tensor | None:
+        """The main input's rows [tokens, ...] in ``rows``' token order (``main_first``); None where a call had none
+        or the calls' rows disagree in shape or dtype."""
+        if not self.calls or not all(call.main for call in self.calls):
+            return None
+        return stacked([call.inputs[0] for call in self.calls], self.picked[1])
 
 
 def stacked(parts: list[torch.Tensor], picked: torch.Tensor) -> torch.Tensor | None:
@@ -65,6 +88,16 @@ def token_bytes(rows: list[torch.Tensor], count: int) -> torch.Tensor:
     """Each token's rows of several tensors as one row of bytes [count, k] (their bit patterns, NaN-safe)."""
     parts = [bit_pattern(row).reshape(count, -1).contiguous().view(torch.uint8) for row in rows]
     return torch.cat(parts, dim=1) if parts else torch.empty((count, 0), dtype=torch.uint8)
+
+
+def main_first(args: tuple, kwargs: dict[str, Any]) -> list[Any]:
+    """A call's arguments with its main input first: the first positional one, else ``hidden_states`` (how
+    transformers' decoder layers call their attention)."""
+    rest = list(kwargs.values())
+    if not args and isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        main = kwargs["hidden_states"]
+        return [main, *(v for v in rest if v is not main)]
+    return [*args, *rest]
 
 
 def per_token(value: Any, shape: torch.Size) -> list[torch.Tensor]:
@@ -113,7 +146,8 @@ def recording(built: BuiltModel) -> Iterator[dict[str, ModuleRecord]]:
     @torch.no_grad()
     def keep(path: str, slots: torch.Tensor, args: tuple, kwargs: dict, output: Any) -> None:
         # A mask describes the layout, not a token: it differs between cells by design and is never an input here.
-        inputs = per_token([*args, *(v for k, v in kwargs.items() if "mask" not in k)], slots.shape)
+        values = main_first(args, {k: v for k, v in kwargs.items() if "mask" not in k})
+        inputs = per_token(values, slots.shape)
         outputs = per_token(output, slots.shape)
         if not outputs:
             return
@@ -121,7 +155,8 @@ def recording(built: BuiltModel) -> Iterator[dict[str, ModuleRecord]]:
         if not len(tokens):
             return
         rows = [t[rows_of(slots, t.device)[1]] for t in inputs]  # advanced indexing: copies, never views
-        records[path].calls.append((tokens, rows, outputs[0][where].cpu()))
+        main = bool(values) and len(per_token(values[0], slots.shape)) == 1
+        records[path].calls.append(RecordedCall(tokens, rows, outputs[0][where].cpu(), main))
 
     for path, module in built.body.named_modules(prefix="model"):
         handles.append(module.register_forward_pre_hook(lambda m, a, path=path: started(path, m)))

@@ -18,7 +18,7 @@ from rlsweep.arithmetic import kernel_verdicts, planned_kernel_rows
 from rlsweep.contract import ROUNDING_MODEL, Contract, Tolerance
 from rlsweep.execute import CellResult
 from rlsweep.mismatch import METRICS, ActiveTokens
-from rlsweep.model_judgments import MODULE_OP_CLASSES, MODULES, ROW_LOCAL
+from rlsweep.model_judgments import DATAFLOW, MODULE_OP_CLASSES, MODULES, ROW_LOCAL
 from rlsweep.spec import CHAIN_ROLES, DECODE_CELL, DECODE_PARITY_ROLES, ExpectedRed, RunSpec
 from rlsweep.verdicts import (
     FORWARD_TENSORS,
@@ -540,7 +540,7 @@ def planned_verdicts(
     if whole_model:
         accuracy = Judgment.FORWARD_ACCURACY
         planned += [row(Judgment.MODULE_ACCURACY, kind, accuracy, cell, cell) for cell in cells
-                    for kind in MODULE_OP_CLASSES]  # fmt: skip
+                    for kind in (*MODULE_OP_CLASSES, DATAFLOW)]  # fmt: skip
         planned += [row(Judgment.FORWARD_INVARIANCE, ROW_LOCAL, invariance_roles(cell), cell, canonical)
                     for cell in cells[1:]]  # fmt: skip
         if bitwise_body:

@@ -19,6 +19,7 @@ BODY = "body"  # the tensor column of a whole model's body provenance rows (the 
 MODULES = "modules"  # the tensor column of a bitwise body's per-cell module invariance rows
 ROW_LOCAL = "row_local"  # the tensor column of every body's per-cell row-local module invariance rows
 END_TO_END = "end_to_end"  # the tensor column of the reported end-to-end error row
+DATAFLOW = "dataflow"  # the tensor column of each cell's row on the glue between modules (rlsweep.dataflow)
 # rlsweep.module_accuracy's op classes: one verdict each, in every cell
 MODULE_OP_CLASSES = ("linear", "rmsnorm", "rotary", "activation", "attention")
 # A profile's body_attention -> the attention function transformers must call, and the ops (any one of them) it must

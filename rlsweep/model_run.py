@@ -93,6 +93,7 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
                         observed: dict[str, Any]):  # fmt: skip
     """The model, its workload and every cell through ``op``; provenance, module and trainer-rollout verdicts as
     they come. Returns ``rlsweep.run.Computed`` with a gold per cell and the divergence rows."""
+    from rlsweep.dataflow import dataflow_verdict
     from rlsweep.divergence import divergence, equalities, recording, row_local_mismatches
     from rlsweep.run import Computed, unique_provenance
 
@@ -109,6 +110,7 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
     computed = Computed()
     observed["body"] = {}
     canonical_records, unrecorded, tables = None, frozenset(), []
+    token_ids, accuracy_roles = torch.cat(tokens.sequences), contract.roles_for(Judgment.FORWARD_ACCURACY)
     for number, name in enumerate(cells, start=1):
         log.info("cell %d/%d %s: the body, then the head", number, len(cells), name)
         # Every module is recorded in the same pass (its copies left out of the provenance), for the divergence rows
@@ -121,6 +123,7 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
             hidden = torch.cat(cell_hidden(built, tokens, name, chunk_size=spec.layout.chunk_size))
         observed["body"][name] = seen
         verdicts.append(body_provenance_verdict(name, profile.body_attention, seen["attention"], seen["kernels"]))
+        verdicts.append(dataflow_verdict(built, records, token_ids, name, accuracy_roles))
         workload = head_workload(spec, tokens, hidden)
         cell = Cell(name, (logical_call([torch.arange(workload.num_tokens)]),))
         arithmetic = None
@@ -144,8 +147,7 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
         computed.golds.append(CellGold(reference, workload, standard))
         if number > 1:
             judged = [*layout, *recorded_calls(built, records)]
-            verdicts += module_accuracy_verdicts(accuracy_table(built, judged), name,
-                                                 contract.roles_for(Judgment.FORWARD_ACCURACY))  # fmt: skip
+            verdicts += module_accuracy_verdicts(accuracy_table(built, judged), name, accuracy_roles)
             # Whatever the logprobs did: a row-local module owes an equal input row its bits in every layout.
             equality = equalities(canonical_records, records)  # the row_local verdict's and the divergence table's
             mismatches = row_local_mismatches(canonical_records, records, equality=equality)
@@ -166,7 +168,6 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
         verdicts.append(provenance_verdict(result.cell.name, required, result.provenance, profile.backend_family))
     canonical, gold = computed.results[0], computed.golds[0]
     computed.workload, computed.reference, computed.bound = gold.workload, gold.reference, gold.standard.bound
-    accuracy_roles = contract.roles_for(Judgment.FORWARD_ACCURACY)
     verdicts += module_accuracy_verdicts(module_accuracy(built, tokens, cells[0]), cells[0], accuracy_roles)
     active = gold.workload.active
     verdicts.append(end_to_end_verdict(reported_error(spec, built, tokens, canonical.logp[active]), cells[0],

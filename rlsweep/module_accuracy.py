@@ -230,8 +230,8 @@ def recorded_calls(built: BuiltModel, records: dict) -> list[Call]:
         module = modules.get(path)
         kind = op_class(module) if module is not None else None
         if kind in ROW_LOCAL_OP_CLASSES:
-            calls += [Call(path, module, (inputs[0],), {}, output.to(inputs[0].device), kind=kind)
-                      for _, inputs, output in record.calls if len(inputs) == 1]  # fmt: skip
+            calls += [Call(path, module, (call.inputs[0],), {}, call.output.to(call.inputs[0].device), kind=kind)
+                      for call in record.calls if len(call.inputs) == 1]  # fmt: skip
     return calls
 
 
@@ -240,7 +240,7 @@ def unrecorded_paths(built: BuiltModel, records: dict) -> frozenset[str]:
     no call by token in a cell (``records``: the canonical cell's), so ``recorded_calls`` cannot judge them in the other
     cells: modules called on rows other than the call's [batch, position] (an MoE's experts, on the tokens routed to
     them)."""
-    laid_out = {path for path, record in records.items() if any(len(inputs) == 1 for _, inputs, _ in record.calls)}
+    laid_out = {path for path, record in records.items() if any(len(call.inputs) == 1 for call in record.calls)}
     return frozenset(
         path for path, module in built.body.named_modules(prefix="model")
         if op_class(module) in ROW_LOCAL_OP_CLASSES and path not in laid_out

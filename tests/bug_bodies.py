@@ -135,9 +135,9 @@ def mlp_batch_scaled() -> None:
     modeling_qwen3.Qwen3MLP.forward = forward
 
 
-def residual_batch_scaled() -> None:
-    """A decoder layer whose residual add after attention scales the residual by 1 + 2^-6 when the call holds more
-    than one sequence: glue between modules, in no module of its own."""
+def scaled_residual_layer(applies) -> None:
+    """Decoder layers whose residual add after attention scales the residual by 1 + 2^-6 where ``applies(residual)``:
+    glue between modules, in no module of its own."""
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
                 position_embeddings=None, **kwargs):  # fmt: skip
@@ -147,10 +147,68 @@ def residual_batch_scaled() -> None:
             position_ids=position_ids, cache=cache, use_cache=use_cache, position_embeddings=position_embeddings,
             **kwargs,
         )  # fmt: skip
-        hidden_states = (residual * (1 + 2**-6) if residual.shape[0] > 1 else residual) + hidden_states
+        hidden_states = (residual * (1 + 2**-6) if applies(residual) else residual) + hidden_states
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
     modeling_qwen3.Qwen3DecoderLayer.forward = forward
+
+
+def residual_batch_scaled() -> None:
+    """The residual scaled only when the call holds more than one sequence."""
+    scaled_residual_layer(lambda residual: residual.shape[0] > 1)
+
+
+def residual_scaled() -> None:
+    """The residual scaled in every call: every layout computes it alike, so no invariance verdict sees it."""
+    scaled_residual_layer(lambda residual: True)
+
+
+def final_norm_skipped() -> None:
+    """The model's last RMSNorm replaced by an identity (a fork that moved the norm into its head, and a head that
+    does not apply it)."""
+    stock = modeling_qwen3.Qwen3Model.__init__
+
+    def init(self, config):
+        stock(self, config)
+        self.norm = torch.nn.Identity()
+
+    modeling_qwen3.Qwen3Model.__init__ = init
+
+
+def gate_up_swapped() -> None:
+    """The MLP's activation applied to the up projection instead of the gate (a checkpoint converter that swapped
+    the two halves of a fused gate_up_proj)."""
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))
+
+    modeling_qwen3.Qwen3MLP.forward = forward
+
+
+def hidden_scaled_after_norm() -> None:
+    """The body's final hidden states divided by a temperature of 1.01 after the last norm, before the head."""
+    stock = modeling_qwen3.Qwen3Model.forward
+
+    @functools.wraps(stock)
+    def forward(self, *args, **kwargs):
+        out = stock(self, *args, **kwargs)
+        out.last_hidden_state = out.last_hidden_state / 1.01
+        return out
+
+    modeling_qwen3.Qwen3Model.forward = forward
+
+
+def embeddings_scaled() -> None:
+    """Embeddings multiplied by sqrt(hidden_size) before the first layer (another family's normaliser, Gemma's, put
+    into a Qwen3 model)."""
+    stock = modeling_qwen3.Qwen3Model.forward
+
+    @functools.wraps(stock)
+    def forward(self, input_ids=None, *args, **kwargs):
+        kwargs["inputs_embeds"] = self.embed_tokens(input_ids) * self.config.hidden_size**0.5
+        return stock(self, None, *args, **kwargs)
+
+    modeling_qwen3.Qwen3Model.forward = forward
 
 
 def linear_batched_bf16_sum() -> None:
@@ -197,6 +255,7 @@ BUGS = {
     for bug in (norms_in_bf16, norm_eps_1e3, rope_base_1e4, position_ids_dropped, scores_over_head_dim,
                 scores_scaled_1pct, padding_mask_ignored, attention_swapped, softmax_in_bf16, silu_in_bf16,
                 mlp_batch_scaled, residual_batch_scaled, linear_batched_bf16_sum, attention_split_from_length,
-                linear_left_stock)
+                linear_left_stock, residual_scaled, final_norm_skipped, gate_up_swapped, hidden_scaled_after_norm,
+                embeddings_scaled)
 }  # fmt: skip
 BUGS[os.environ["RLSWEEP_BODY_BUG"]]()

@@ -61,8 +61,10 @@ def test_eager_attention_is_green_in_every_cell_with_every_whole_model_verdict(e
     body = checks[(checks.judgment == "provenance") & (checks.tensor == "body")]
     assert set(body.lhs_cell) == cells and body.detail.str.contains("eager_attention_forward").all()
     modules = checks[checks.judgment == "module_accuracy"].set_index("tensor")
-    assert set(modules.index) == {"linear", "rmsnorm", "rotary", "activation", "attention", "end_to_end"}
+    assert set(modules.index) == {"linear", "rmsnorm", "rotary", "activation", "attention", "dataflow", "end_to_end"}
     assert (modules.value[["linear", "rmsnorm", "rotary", "activation"]] > 0.5).all()  # tight bounds, not vacuous
+    dataflow = modules.loc[["dataflow"]]  # every cell: each residual add and the gate times up within one rounding
+    assert len(dataflow) == 13 and (dataflow.value > 0.5).all() and (dataflow.value <= 1).all()
     assert 0 < modules.value["end_to_end"] < 1 and math.isnan(modules.threshold["end_to_end"])
     rollout = checks[checks.judgment == "trainer_rollout"]
     assert set(rollout.lhs_cell) == {"decode", "BN/pad_left", "B1/full"} and set(rollout.rhs_cell) == {"BN/packed"}
@@ -169,6 +171,32 @@ def test_realistic_body_bugs_are_red_by_a_margin(tmp_path, bug, profile, judgmen
     if bug == "mlp_batch_scaled":
         first = tables(tmp_path)["divergence"].query("first_diverging")
         assert set(first.module) == {"model.layers.0.mlp"} and set(first.cell) == {"BN/pad_right", "decode"}
+
+
+@pytest.mark.parametrize(
+    ("bug", "edge"),
+    [
+        ("residual_scaled", "model.layers.0.post_attention_layernorm input = model.layers.0 input + "
+                            "model.layers.0.self_attn output"),
+        ("final_norm_skipped", "model.norm is an RMSNorm: model.norm is a Identity"),
+        ("gate_up_swapped", "model.layers.0.mlp.act_fn input = model.layers.0.mlp.gate_proj output"),
+        ("hidden_scaled_after_norm", "model output = model.norm output"),
+        ("embeddings_scaled", "model.layers.0 input = model.embed_tokens output"),
+    ],
+)  # fmt: skip
+def test_glue_bugs_every_layout_computes_alike_are_red_in_every_cell_naming_the_edge(tmp_path, bug, edge):
+    """Bugs between modules that no module's accuracy and no invariance verdict can see: each op on its own inputs is
+    right, and every layout gives the same bits. The dataflow row names the first edge they break, in every cell."""
+    env = {"PYTHONPATH": import_path(TESTS), "RLSWEEP_BODY_BUG": bug}
+    done = run_rlsweep(tmp_path, MODEL, "profile=hf_eager_cpu_bf16", "profile.backend_module=bug_bodies",
+                       "layout.cells=[BN/packed,decode]", env=env)  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    failed = red(tables(tmp_path)["checks"])
+    assert set(zip(failed.judgment, failed.tensor, failed.lhs_cell, strict=True)) == {
+        ("module_accuracy", "dataflow", cell) for cell in ("BN/packed", "decode")
+    }, failed.detail.tolist()
+    assert failed.detail.str.contains(f"first {edge}", regex=False).all(), failed.detail.tolist()
+    assert (failed.value > 2).all(), failed.detail.tolist()
 
 
 @pytest.mark.parametrize(
@@ -285,18 +313,27 @@ ACCURACY, INVARIANCE = "module_accuracy", "forward_invariance"
             },
         ),
         # Glue no op class covers: the MLP's output scaled for calls of several sequences. Every op within its bound;
-        # the MLP gives the rows whose inputs the packed row gave it other bits.
+        # the MLP gives the rows whose inputs the packed row gave it other bits, and its output is not its down_proj's.
         (
             "mlp_batch_scaled",
             "BN/packed,B1/full,BN/pad_right,decode",
-            {(INVARIANCE, "row_local", "BN/pad_right"), (INVARIANCE, "row_local", "decode")},
+            {
+                (j, t, c)
+                for j, t in ((INVARIANCE, "row_local"), (ACCURACY, "dataflow"))
+                for c in ("BN/pad_right", "decode")
+            },
         ),
         # Glue in no module of its own: a decoder layer's residual add scaled for calls of several sequences. The
-        # layer's norm after attention gets other inputs where its attention gave the same outputs.
+        # layer's norm after attention gets other inputs where its attention gave the same outputs, and an input that
+        # is not the layer's input plus its attention's output.
         (
             "residual_batch_scaled",
             "BN/packed,B1/full,BN/pad_right,decode",
-            {(INVARIANCE, "row_local", "BN/pad_right"), (INVARIANCE, "row_local", "decode")},
+            {
+                (j, t, c)
+                for j, t in ((INVARIANCE, "row_local"), (ACCURACY, "dataflow"))
+                for c in ("BN/pad_right", "decode")
+            },
         ),
     ],
 )
@@ -323,7 +360,7 @@ def test_a_layout_bug_is_red_where_it_acts_though_the_profile_declares_its_cells
     glue = failed[failed.tensor == "row_local"]
     assert glue.detail.str.contains(f"first {first.get(bug)}", regex=False).all(), glue.detail.tolist()
     modules = checks[(checks.judgment == ACCURACY) & (checks.tensor != "end_to_end")]
-    assert set(modules.lhs_cell) == set(cells.split(",")) and len(modules) == 5 * len(cells.split(","))
+    assert set(modules.lhs_cell) == set(cells.split(",")) and len(modules) == 6 * len(cells.split(","))
     assert not modules.value.isna().any(), modules.detail.tolist()  # every op class judged something in every cell
     row_local = checks[checks.tensor == "row_local"]
     assert set(row_local.lhs_cell) == set(cells.split(",")[1:]) and (row_local.value >= 0).all()

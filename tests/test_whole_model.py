@@ -14,6 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import kernels  # noqa: E402
+from rlsweep.dataflow import dataflow_verdict, pre_norm_residual_edges  # noqa: E402
 from rlsweep.divergence import (  # noqa: E402
     DIVERGENCE_COLUMNS,
     first_diverging,
@@ -235,12 +236,11 @@ def test_row_local_modules_are_those_around_no_attention_and_given_no_layout(wor
         assert compared >= 10 and mismatches == [], (cell, mismatches)
     shuffled = record_cell(sdpa, workload, "BN/pad_right", 5)
     norm = shuffled["model.layers.0.input_layernorm"]
-    tokens, inputs, output = norm.calls[0]
-    norm.calls[0] = (tokens, inputs, output.flip(0))  # rows handed back to the wrong tokens
+    norm.calls[0] = norm.calls[0]._replace(output=norm.calls[0].output.flip(0))  # rows handed to the wrong tokens
     norm.__dict__.pop("rows", None)
     for path in ("model.layers.0.mlp", "model.layers.0.mlp.act_fn"):  # an act_fn bug moves the MLP around it too
         record = shuffled[path]
-        record.calls = [(tokens, inputs, output.flip(0)) for tokens, inputs, output in record.calls]
+        record.calls = [call._replace(output=call.output.flip(0)) for call in record.calls]
         record.__dict__.pop("rows", None)
     compared, mismatches = row_local_mismatches(packed, shuffled)
     assert [m["module"] for m in mismatches] == [
@@ -481,3 +481,29 @@ def test_an_embedding_tied_to_the_head_takes_the_heads_scale_so_logits_are_reali
     logp, _ = cell_logprobs(tied, workload, "BN/packed", backend="aten")
     judged = logp  # the response tokens
     assert judged.mean() < -0.3 and (judged < -1e-3).float().mean() > 0.5, judged
+
+
+def test_the_dataflow_of_a_stock_model_holds_and_a_product_off_by_more_than_one_rounding_is_named(eager, workload):
+    """Every hand-off bitwise and every residual add or gate-times-up within one rounding, used to the full (the bound
+    is tight); one token's gate-times-up product moved by 2^-6 breaks its edge alone, on that token alone."""
+    records = record_cell(eager, workload, "decode", 5)
+    ids = torch.cat(workload.sequences)
+    edges = pre_norm_residual_edges(eager, records, ids)
+    assert len(edges) == 38 and all(edge.passed for edge in edges), [e for e in edges if not e.passed]
+    assert 0.9 < max(edge.used for edge in edges) <= 1
+    roles = ("forward_accuracy", "forward_accuracy")
+    assert dataflow_verdict(eager, records, ids, "decode", roles).passed
+    down = records["model.layers.1.mlp.down_proj"]
+    down.calls[-1].inputs[0][0] *= 1 + 2**-6  # the product down_proj was given, for the last call's first token
+    down.__dict__.pop("main_input", None)
+    broken = [edge for edge in pre_norm_residual_edges(eager, records, ids) if not edge.passed]
+    what = "model.layers.1.mlp.down_proj input = model.layers.1.mlp.act_fn output * model.layers.1.mlp.up_proj output"
+    assert [(edge.what, edge.failing) for edge in broken] == [(what, 1)] and broken[0].used > 1.5, broken
+    verdict = dataflow_verdict(eager, records, ids, "decode", roles)
+    assert not verdict.passed and f"1 of 38 edges of the qwen3 dataflow broken; first {what}: 1 of" in verdict.detail
+    # A model type whose dataflow is not described: nothing was judged, which is red.
+    other = types.SimpleNamespace(model=types.SimpleNamespace(config=types.SimpleNamespace(model_type="gpt2")))
+    verdict = dataflow_verdict(other, records, ids, "decode", roles)
+    assert (
+        not verdict.passed and "model_type 'gpt2' has no dataflow described here: nothing was judged" in verdict.detail
+    )
