@@ -6,12 +6,14 @@ becoming the body's. For model types whose decoder has the pre-norm residual for
 token's rows recorded in a cell (``rlsweep.divergence.recording``) are checked against that form, edge by edge:
 
 - a hand-off is bitwise: the next module's main input has the bits of the output (or input) it is said to take;
-- a sum or product of two recorded tensors is within one rounding of its float64 value (``ONE_ROUNDING``).
+- a sum or product of two recorded tensors is within one rounding of its float64 value (``rounding_used``), and the
+  query and key the attention function got are RoPE of the projections within the roundings RoPE takes
+  (``rope_used``).
 
-A dropped or scaled residual, a norm replaced or skipped, a layer run twice, gate and up swapped, hidden states
-scaled between the last norm and the head: each breaks an edge in every cell where it acts, layout or not. The
-bound is proven for torch's elementwise ops on any device: two values of the dtype added or multiplied in fp32
-(exact, or one fp32 rounding) and rounded once to the dtype.
+A dropped or scaled residual, a norm replaced or skipped, a layer run twice, gate and up swapped, RoPE skipped for
+the keys or pairing other elements, hidden states scaled between the last norm and the head: each breaks an edge in
+every cell where it acts, layout or not. The bounds are proven for torch's elementwise ops on any device: two values
+of the dtype added or multiplied in fp32 (exact, or one fp32 rounding) and rounded once to the dtype.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ def handoff(records: Mapping[str, ModuleRecord], source: Port, target: Port) -> 
 
 
 def one_rounding(records: Mapping[str, ModuleRecord], result: Port, sign: str, a: Port, b: Port) -> Edge:
-    """``result`` is ``a`` ``sign`` ("+" or "*") ``b`` rounded once to its dtype, within ``ONE_ROUNDING``."""
+    """``result`` is ``a`` ``sign`` ("+" or "*") ``b`` rounded once to its dtype, within ``rounding_used``."""
     what = f"{result} = {a} {sign} {b}"
     pair = paired(records, result, a, b)
     if isinstance(pair, str):
@@ -122,7 +124,7 @@ def one_rounding(records: Mapping[str, ModuleRecord], result: Port, sign: str, a
 
 def rounding_used(result: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
     """|result - exact| as a share of one rounding to ``result``'s dtype, after one fp32 rounding where the dtype is
-    narrower (``ONE_ROUNDING``); equal values (infinities, NaN for NaN) use 0, any other non-finite value inf."""
+    narrower; equal values (infinities, NaN for NaN) use 0, any other non-finite value inf."""
     magnitude = exact.abs()
     bound = half_ulp(torch.nan_to_num(magnitude, posinf=0.0), result.dtype)
     if SIGNIFICAND_BITS[result.dtype] < SIGNIFICAND_BITS[torch.float32]:
@@ -229,8 +231,70 @@ def attention_edges(records: Mapping[str, ModuleRecord], modules: Mapping[str, t
         if f"{attention}.{norm}" in modules:
             edges.append(handoff(records, Port(f"{attention}.{projection}", "output"),
                                  Port(f"{attention}.{norm}", "input")))  # fmt: skip
+    edges += rope_edges(records, modules, attention)
     edges.append(handoff(records, Port(f"{attention}.o_proj", "output"), Port(attention, "output")))
     return edges
+
+
+def rope_edges(records: Mapping[str, ModuleRecord], modules: Mapping[str, torch.nn.Module],
+               attention: str) -> list[Edge]:  # fmt: skip
+    """The query and the key the attention function was given are RoPE of the projections (after q_norm and k_norm,
+    where the module has them) with the cos and sin the module was given: x * cos + rotate_half(x) * sin, each product
+    and the sum rounded once to the dtype (``rope_used``). A rotation skipped, applied to one of the two, or pairing
+    other elements breaks it."""
+    record = records.get(attention)
+    function = record.function if record is not None else None
+    edges = []
+    for name, index, projection, norm in (("query", None, "q_proj", "q_norm"), ("key", 0, "k_proj", "k_norm")):
+        source = Port(f"{attention}.{norm if f'{attention}.{norm}' in modules else projection}", "output")
+        what = f"{attention} attention function's {name} = RoPE({source})"
+        if function is None or not function.calls:
+            edges.append(Edge(what, 0, 0, math.inf, f"{attention} called no attention function on a judged token"))
+            continue
+        tokens, _, query = function.rows
+        given = query if index is None else function.input_rows(index)
+        cos, sin = function.input_rows(1), function.input_rows(2)
+        pre = rows_at(records, source)
+        if given is None or cos is None or sin is None or isinstance(pre, str):
+            why = pre if isinstance(pre, str) else f"{attention} was given no RoPE cos and sin, or rows of other shapes"
+            edges.append(Edge(what, 0, 0, math.inf, why))
+            continue
+        if not torch.equal(pre[0], tokens):
+            edges.append(Edge(what, len(tokens), len(tokens), math.inf, f"{source} holds other tokens"))
+            continue
+        given, cos, sin = given.cpu(), cos.cpu(), sin.cpu()
+        x = pre[1].reshape(given.shape) if pre[1].numel() == given.numel() else None
+        if x is None or cos.shape[-1] != given.shape[-1] or given.dtype not in SIGNIFICAND_BITS:
+            why = f"{source} is {list(pre[1].shape)} per token, the {name} {given.dtype} {list(given.shape)}"
+            edges.append(Edge(what, len(tokens), len(tokens), math.inf, why))
+            continue
+        used = rope_used(given, x, cos[:, None, :], sin[:, None, :])
+        failing = int((used > 1).reshape(len(tokens), -1).any(dim=1).sum())
+        edges.append(Edge(what, len(tokens), failing, float(used.max()) if used.numel() else 0.0))
+    return edges
+
+
+def rope_used(result: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """|result - (x cos + rotate_half(x) sin)| (float64, from the recorded values) as a share of three roundings to
+    ``result``'s dtype: the two products and their sum, each at its own magnitude (as in ``rounding_used``)."""
+    half = x.shape[-1] // 2
+    x64 = x.double()
+    rotated = torch.cat([-x64[..., half:], x64[..., :half]], dim=-1)
+    first, second = x64 * cos.double(), rotated * sin.double()
+    exact = first + second
+
+    def rounding(magnitude: torch.Tensor) -> torch.Tensor:
+        bound = half_ulp(magnitude, result.dtype)
+        if SIGNIFICAND_BITS[result.dtype] < SIGNIFICAND_BITS[torch.float32]:
+            bound = bound + half_ulp(magnitude, torch.float32)
+        return bound
+
+    products = rounding(first.abs()) + rounding(second.abs())
+    bound = products + rounding(exact.abs() + products)
+    value = result.double()
+    used = (value - exact).abs() / bound
+    same = (value == exact) | (value.isnan() & exact.isnan())
+    return torch.where(same, 0.0, torch.where(used.isfinite(), used, math.inf))
 
 
 def dataflow_verdict(built: BuiltModel, records: Mapping[str, ModuleRecord], token_ids: torch.Tensor, cell: str,
@@ -256,7 +320,7 @@ def dataflow_verdict(built: BuiltModel, records: Mapping[str, ModuleRecord], tok
     else:
         detail = (
             f"all {len(edges)} edges of the {model_type} dataflow held on every token: hand-offs bitwise, sums and "
-            f"products within one rounding (at most {worst:.3g} of it)"
+            f"products within one rounding (at most {worst:.6g} of it)"
         )
     return Verdict(Judgment.MODULE_ACCURACY, DATAFLOW, *roles, cell, cell, metric="bound_used", value=float(worst),
                    threshold=1.0, passed=not broken,

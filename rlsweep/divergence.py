@@ -21,7 +21,14 @@ import torch
 from kernels.bitwise import bit_pattern, bit_view
 from kernels.launches import bookkeeping
 from rlsweep.hf_model import BuiltModel
-from rlsweep.model_cells import CURRENT_SLOTS, DEFAULT_CHUNK_SIZE, TRAINER_CELL, TokenWorkload, cell_hidden
+from rlsweep.model_cells import (
+    CURRENT_SLOTS,
+    DEFAULT_CHUNK_SIZE,
+    TRAINER_CELL,
+    TokenWorkload,
+    cell_hidden,
+    watching_attention,
+)
 from rlsweep.tables import DIVERGENCE_COLUMNS
 
 LAYOUT_KEYWORDS = ("mask", "cache", "past_key")  # a call's keyword that gives a module other rows than its own
@@ -46,6 +53,9 @@ class ModuleRecord:
     order: int  # when it first started, in the cell's execution
     calls: list[RecordedCall] = field(default_factory=list)
     sees_layout: bool = False  # a call was given the layout (``LAYOUT_KEYWORDS``): a mask or a KV cache
+    # An attention module's calls of its attention function: the query rows it was given as the output, the key rows
+    # of the call's own tokens (a KV cache's earlier keys left out) and the module's RoPE cos and sin as the inputs.
+    function: ModuleRecord | None = None
 
     @cached_property
     def picked(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +85,14 @@ class ModuleRecord:
         or the calls' rows disagree in shape or dtype."""
         if not self.calls or not all(call.main for call in self.calls):
             return None
-        return stacked([call.inputs[0] for call in self.calls], self.picked[1])
+        return self.input_rows(0)
+
+    def input_rows(self, index: int) -> torch.Tensor | None:
+        """The rows of each call's per-token input ``index`` [tokens, ...], in ``rows``' token order; None where a call
+        had fewer or the calls' rows disagree in shape or dtype."""
+        if not self.calls or any(len(call.inputs) <= index for call in self.calls):
+            return None
+        return stacked([call.inputs[index] for call in self.calls], self.picked[1])
 
 
 def stacked(parts: list[torch.Tensor], picked: torch.Tensor) -> torch.Tensor | None:
@@ -119,9 +136,13 @@ def recording(built: BuiltModel) -> Iterator[dict[str, ModuleRecord]]:
     handles = []
     live: list[Any] = [None, None]  # the last call's slots and their (tokens, row indices by device)
 
-    def started(path: str, module: torch.nn.Module) -> None:
+    rope: dict[str, Any] = {}  # an attention module's position_embeddings (cos, sin), for its call in progress
+
+    def started(path: str, module: torch.nn.Module, kwargs: dict) -> None:
         if path not in records:
             records[path] = ModuleRecord(type(module).__name__, len(records))
+        if "position_embeddings" in kwargs:
+            rope[path] = kwargs["position_embeddings"]
 
     def ended(path: str, args: tuple, kwargs: dict, output: Any) -> None:
         if any(word in key for key in kwargs for word in LAYOUT_KEYWORDS):
@@ -158,12 +179,45 @@ def recording(built: BuiltModel) -> Iterator[dict[str, ModuleRecord]]:
         main = bool(values) and len(per_token(values[0], slots.shape)) == 1
         records[path].calls.append(RecordedCall(tokens, rows, outputs[0][where].cpu(), main))
 
-    for path, module in built.body.named_modules(prefix="model"):
-        handles.append(module.register_forward_pre_hook(lambda m, a, path=path: started(path, m)))
+    @torch.no_grad()
+    def keep_function(path: str, slots: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:
+        """An attention function's query [B, Hq, Q, D] and key [B, Hkv, K, D] (K >= Q: the call's own keys last, after
+        a KV cache's) by token, with the RoPE cos and sin its module was given."""
+        count = query.shape[2]
+        if query.dim() != 4 or key.dim() != 4 or tuple(slots.shape) != (query.shape[0], count):
+            return
+        tokens, where = rows_of(slots, query.device)
+        if not len(tokens):
+            return
+        rows = [key[:, :, key.shape[2] - count :].transpose(1, 2)[where]]
+        given = rope.get(path)
+        if isinstance(given, tuple) and all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in given):
+            rows += [t.expand(query.shape[0], count, -1)[rows_of(slots, t.device)[1]] for t in given]
+        record = records[path]
+        if record.function is None:
+            record.function = ModuleRecord("attention function", record.order)
+        record.function.calls.append(RecordedCall(tokens, rows, query.transpose(1, 2)[where].cpu(), True))
+
+    paths = {module: path for path, module in built.body.named_modules(prefix="model")}
+
+    def attention(function: Any, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        output = function(module, *args, **kwargs)
+        slots, path = CURRENT_SLOTS.get(), paths.get(module)
+        if slots is not None and path in records:
+            query, key = (args[i] if len(args) > i else kwargs.get(name) for i, name in enumerate(("query", "key")))
+            if isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor):
+                with bookkeeping():
+                    keep_function(path, slots, query, key)
+        return output
+
+    for module, path in paths.items():
+        handles.append(module.register_forward_pre_hook(
+            lambda m, a, k, path=path: started(path, m, k), with_kwargs=True))  # fmt: skip
         handles.append(module.register_forward_hook(
             lambda m, a, k, o, path=path: ended(path, a, k, o), with_kwargs=True))  # fmt: skip
     try:
-        yield records
+        with watching_attention(built, attention):
+            yield records
     finally:
         for handle in handles:
             handle.remove()

@@ -119,7 +119,8 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
         # its layout says (the canonical cell's modules are judged below in a pass of their own, with the softmaxes
         # inside attention).
         laid_out = layout_calls(built, unrecorded) if number > 1 else contextlib.nullcontext([])
-        with recording(built) as records, observing_body(built) as seen, laid_out as layout:
+        # The recording inside the body's observation: the attention function it wraps is the one observed.
+        with observing_body(built) as seen, recording(built) as records, laid_out as layout:
             hidden = torch.cat(cell_hidden(built, tokens, name, chunk_size=spec.layout.chunk_size))
         observed["body"][name] = seen
         verdicts.append(body_provenance_verdict(name, profile.body_attention, seen["attention"], seen["kernels"]))

@@ -211,6 +211,30 @@ def embeddings_scaled() -> None:
     modeling_qwen3.Qwen3Model.forward = forward
 
 
+def rope_keys_skipped() -> None:
+    """RoPE applied to the queries alone: the keys reach attention unrotated (every layout alike)."""
+
+    def rotate(q, k, cos, sin, unsqueeze_dim=1):
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * cos + modeling_qwen3.rotate_half(q) * sin, k
+
+    modeling_qwen3.apply_rotary_pos_emb = rotate
+
+
+def rope_interleaved() -> None:
+    """RoPE rotating adjacent pairs (x0, x1), (x2, x3) ... (GPT-J's convention) where the model's tables and weights
+    follow the half-split one (x_i, x_i+D/2): a converter's mix-up."""
+
+    def rotate_pairs(x):
+        return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+    def rotate(q, k, cos, sin, unsqueeze_dim=1):
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * cos + rotate_pairs(q) * sin, k * cos + rotate_pairs(k) * sin
+
+    modeling_qwen3.apply_rotary_pos_emb = rotate
+
+
 def linear_batched_bf16_sum() -> None:
     """Linear layers that take another kernel path when the call holds more than one sequence: its products summed in
     two halves of K, each rounded to bf16 before they are added (a split-K kernel for batched shapes that keeps its
@@ -256,6 +280,6 @@ BUGS = {
                 scores_scaled_1pct, padding_mask_ignored, attention_swapped, softmax_in_bf16, silu_in_bf16,
                 mlp_batch_scaled, residual_batch_scaled, linear_batched_bf16_sum, attention_split_from_length,
                 linear_left_stock, residual_scaled, final_norm_skipped, gate_up_swapped, hidden_scaled_after_norm,
-                embeddings_scaled)
+                embeddings_scaled, rope_keys_skipped, rope_interleaved)
 }  # fmt: skip
 BUGS[os.environ["RLSWEEP_BODY_BUG"]]()

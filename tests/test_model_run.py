@@ -182,6 +182,10 @@ def test_realistic_body_bugs_are_red_by_a_margin(tmp_path, bug, profile, judgmen
         ("gate_up_swapped", "model.layers.0.mlp.act_fn input = model.layers.0.mlp.gate_proj output"),
         ("hidden_scaled_after_norm", "model output = model.norm output"),
         ("embeddings_scaled", "model.layers.0 input = model.embed_tokens output"),
+        ("rope_keys_skipped", "model.layers.0.self_attn attention function's key = "
+                              "RoPE(model.layers.0.self_attn.k_norm output)"),
+        ("rope_interleaved", "model.layers.0.self_attn attention function's query = "
+                             "RoPE(model.layers.0.self_attn.q_norm output)"),
     ],
 )  # fmt: skip
 def test_glue_bugs_every_layout_computes_alike_are_red_in_every_cell_naming_the_edge(tmp_path, bug, edge):
