@@ -95,15 +95,10 @@ def paired(records: Mapping[str, ModuleRecord], *ports: Port) -> tuple[torch.Ten
 def handoff(records: Mapping[str, ModuleRecord], source: Port, target: Port) -> Edge:
     """``target`` has the bits of ``source`` on every token."""
     what = f"{target} = {source}"
-    pair = paired(records, source, target)
-    if isinstance(pair, str):
-        return Edge(what, 0, 0, math.inf, pair)
-    tokens, (a, b) = pair
-    if a.shape != b.shape or a.dtype != b.dtype:
-        why = f"{source} is {a.dtype} {list(a.shape)} per token, {target} {b.dtype} {list(b.shape)}"
-        return Edge(what, len(tokens), len(tokens), math.inf, why)
-    failing = int((bit_view(a) != bit_view(b)).any(dim=1).sum())
-    return Edge(what, len(tokens), failing, math.inf if failing else 0.0)
+    found = rows_at(records, source)
+    if isinstance(found, str):
+        return Edge(what, 0, 0, math.inf, found)
+    return rows_equal(what, *found, rows_at(records, target))
 
 
 def one_rounding(records: Mapping[str, ModuleRecord], result: Port, sign: str, a: Port, b: Port) -> Edge:
@@ -231,30 +226,31 @@ def attention_edges(records: Mapping[str, ModuleRecord], modules: Mapping[str, t
         if f"{attention}.{norm}" in modules:
             edges.append(handoff(records, Port(f"{attention}.{projection}", "output"),
                                  Port(f"{attention}.{norm}", "input")))  # fmt: skip
-    edges += rope_edges(records, modules, attention)
+    edges += function_edges(records, modules, attention)
     edges.append(handoff(records, Port(f"{attention}.o_proj", "output"), Port(attention, "output")))
     return edges
 
 
-def rope_edges(records: Mapping[str, ModuleRecord], modules: Mapping[str, torch.nn.Module],
-               attention: str) -> list[Edge]:  # fmt: skip
-    """The query and the key the attention function was given are RoPE of the projections (after q_norm and k_norm,
-    where the module has them) with the cos and sin the module was given: x * cos + rotate_half(x) * sin, each product
-    and the sum rounded once to the dtype (``rope_used``). A rotation skipped, applied to one of the two, or pairing
-    other elements breaks it."""
+def function_edges(records: Mapping[str, ModuleRecord], modules: Mapping[str, torch.nn.Module],
+                   attention: str) -> list[Edge]:  # fmt: skip
+    """What the attention function took and gave: its query and key are RoPE of the projections (after q_norm and
+    k_norm, where the module has them) with the cos and sin the module was given, x * cos + rotate_half(x) * sin with
+    each product and the sum rounded once to the dtype (``rope_used``); its value is v_proj's output and its output
+    o_proj's input, bitwise. A rotation skipped, applied to one of the two or pairing other elements, a value or an
+    output scaled: each breaks one."""
     record = records.get(attention)
     function = record.function if record is not None else None
+    name = f"{attention} attention function"
+    if function is None or not function.calls:
+        why = f"{attention} called no attention function on a judged token"
+        return [Edge(f"{name}'s {part}", 0, 0, math.inf, why) for part in ("query", "key", "value", "output")]
+    tokens = function.rows[0]
+    cos, sin = function.input_rows(3), function.input_rows(4)
     edges = []
-    for name, index, projection, norm in (("query", None, "q_proj", "q_norm"), ("key", 0, "k_proj", "k_norm")):
+    for index, part, projection, norm in ((0, "query", "q_proj", "q_norm"), (1, "key", "k_proj", "k_norm")):
         source = Port(f"{attention}.{norm if f'{attention}.{norm}' in modules else projection}", "output")
-        what = f"{attention} attention function's {name} = RoPE({source})"
-        if function is None or not function.calls:
-            edges.append(Edge(what, 0, 0, math.inf, f"{attention} called no attention function on a judged token"))
-            continue
-        tokens, _, query = function.rows
-        given = query if index is None else function.input_rows(index)
-        cos, sin = function.input_rows(1), function.input_rows(2)
-        pre = rows_at(records, source)
+        what = f"{name}'s {part} = RoPE({source})"
+        given, pre = function.input_rows(index), rows_at(records, source)
         if given is None or cos is None or sin is None or isinstance(pre, str):
             why = pre if isinstance(pre, str) else f"{attention} was given no RoPE cos and sin, or rows of other shapes"
             edges.append(Edge(what, 0, 0, math.inf, why))
@@ -262,16 +258,35 @@ def rope_edges(records: Mapping[str, ModuleRecord], modules: Mapping[str, torch.
         if not torch.equal(pre[0], tokens):
             edges.append(Edge(what, len(tokens), len(tokens), math.inf, f"{source} holds other tokens"))
             continue
-        given, cos, sin = given.cpu(), cos.cpu(), sin.cpu()
+        given, cosine, sine = given.cpu(), cos.cpu(), sin.cpu()
         x = pre[1].reshape(given.shape) if pre[1].numel() == given.numel() else None
-        if x is None or cos.shape[-1] != given.shape[-1] or given.dtype not in SIGNIFICAND_BITS:
-            why = f"{source} is {list(pre[1].shape)} per token, the {name} {given.dtype} {list(given.shape)}"
+        if x is None or cosine.shape[-1] != given.shape[-1] or given.dtype not in SIGNIFICAND_BITS:
+            why = f"{source} is {list(pre[1].shape)} per token, the {part} {given.dtype} {list(given.shape)}"
             edges.append(Edge(what, len(tokens), len(tokens), math.inf, why))
             continue
-        used = rope_used(given, x, cos[:, None, :], sin[:, None, :])
+        used = rope_used(given, x, cosine[:, None, :], sine[:, None, :])
         failing = int((used > 1).reshape(len(tokens), -1).any(dim=1).sum())
         edges.append(Edge(what, len(tokens), failing, float(used.max()) if used.numel() else 0.0))
+    edges.append(rows_equal(f"{name}'s value = {attention}.v_proj output", tokens, function.input_rows(2),
+                            rows_at(records, Port(f"{attention}.v_proj", "output"))))  # fmt: skip
+    edges.append(rows_equal(f"{attention}.o_proj input = {name}'s output", tokens, function.rows[2],
+                            rows_at(records, Port(f"{attention}.o_proj", "input"))))  # fmt: skip
     return edges
+
+
+def rows_equal(what: str, tokens: torch.Tensor, rows: torch.Tensor | None,
+               other: tuple[torch.Tensor, torch.Tensor] | str) -> Edge:  # fmt: skip
+    """An edge whose two sides, ``rows`` at ``tokens`` and ``other`` (``rows_at``'s), hold the same bits per token."""
+    if isinstance(other, str) or rows is None:
+        return Edge(what, 0, 0, math.inf, other if isinstance(other, str) else "rows of other shapes between calls")
+    if not torch.equal(other[0], tokens):
+        return Edge(what, len(tokens), len(tokens), math.inf, f"the two sides hold other tokens ({len(other[0])})")
+    a, b = rows.cpu().reshape(len(tokens), -1), other[1].reshape(len(tokens), -1)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        why = f"{a.dtype} {list(a.shape)} per token against {b.dtype} {list(b.shape)}"
+        return Edge(what, len(tokens), len(tokens), math.inf, why)
+    failing = int((bit_view(a) != bit_view(b)).any(dim=1).sum())
+    return Edge(what, len(tokens), failing, math.inf if failing else 0.0)
 
 
 def rope_used(result: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -314,13 +329,13 @@ def dataflow_verdict(built: BuiltModel, records: Mapping[str, ModuleRecord], tok
     if broken:
         first = broken[0]
         about = first.why or f"{first.failing} of {first.tokens} tokens" + (
-            "" if math.isinf(first.used) else f", {first.used:.3g} of one rounding"
+            "" if math.isinf(first.used) else f", {first.used:.3g} of its bound"
         )
         detail = f"{len(broken)} of {len(edges)} edges of the {model_type} dataflow broken; first {first.what}: {about}"
     else:
         detail = (
             f"all {len(edges)} edges of the {model_type} dataflow held on every token: hand-offs bitwise, sums and "
-            f"products within one rounding (at most {worst:.6g} of it)"
+            f"products within one rounding, RoPE within its three (at most {worst:.6g} of a bound)"
         )
     return Verdict(Judgment.MODULE_ACCURACY, DATAFLOW, *roles, cell, cell, metric="bound_used", value=float(worst),
                    threshold=1.0, passed=not broken,

@@ -53,8 +53,8 @@ class ModuleRecord:
     order: int  # when it first started, in the cell's execution
     calls: list[RecordedCall] = field(default_factory=list)
     sees_layout: bool = False  # a call was given the layout (``LAYOUT_KEYWORDS``): a mask or a KV cache
-    # An attention module's calls of its attention function: the query rows it was given as the output, the key rows
-    # of the call's own tokens (a KV cache's earlier keys left out) and the module's RoPE cos and sin as the inputs.
+    # An attention module's calls of its attention function: its output rows, and as its inputs the query, the key and
+    # value rows of the call's own tokens (a KV cache's earlier ones left out), and the module's RoPE cos and sin.
     function: ModuleRecord | None = None
 
     @cached_property
@@ -180,23 +180,28 @@ def recording(built: BuiltModel) -> Iterator[dict[str, ModuleRecord]]:
         records[path].calls.append(RecordedCall(tokens, rows, outputs[0][where].cpu(), main))
 
     @torch.no_grad()
-    def keep_function(path: str, slots: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:
-        """An attention function's query [B, Hq, Q, D] and key [B, Hkv, K, D] (K >= Q: the call's own keys last, after
-        a KV cache's) by token, with the RoPE cos and sin its module was given."""
+    def keep_function(path: str, slots: torch.Tensor, given: list[Any], output: Any) -> None:
+        """An attention function's call by token: its query [B, Hq, Q, D], key and value [B, Hkv, K, D] (K >= Q: the
+        call's own keys last, after a KV cache's) and output [B, Q, Hq, D], with the RoPE cos and sin its module was
+        given."""
+        query, key, value = given
         count = query.shape[2]
-        if query.dim() != 4 or key.dim() != 4 or tuple(slots.shape) != (query.shape[0], count):
+        out = output[0] if isinstance(output, tuple) else output
+        shapes = [t.dim() == 4 for t in (query, key, value, out)]
+        if not all(shapes) or tuple(slots.shape) != (query.shape[0], count) or out.shape[:2] != slots.shape:
             return
         tokens, where = rows_of(slots, query.device)
         if not len(tokens):
             return
-        rows = [key[:, :, key.shape[2] - count :].transpose(1, 2)[where]]
-        given = rope.get(path)
-        if isinstance(given, tuple) and all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in given):
-            rows += [t.expand(query.shape[0], count, -1)[rows_of(slots, t.device)[1]] for t in given]
+        rows = [query.transpose(1, 2)[where]]
+        rows += [t[:, :, t.shape[2] - count :].transpose(1, 2)[where] for t in (key, value)]
+        cos_sin = rope.get(path)
+        if isinstance(cos_sin, tuple) and all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in cos_sin):
+            rows += [t.expand(query.shape[0], count, -1)[rows_of(slots, t.device)[1]] for t in cos_sin]
         record = records[path]
         if record.function is None:
             record.function = ModuleRecord("attention function", record.order)
-        record.function.calls.append(RecordedCall(tokens, rows, query.transpose(1, 2)[where].cpu(), True))
+        record.function.calls.append(RecordedCall(tokens, rows, out[rows_of(slots, out.device)[1]].cpu(), True))
 
     paths = {module: path for path, module in built.body.named_modules(prefix="model")}
 
@@ -204,10 +209,13 @@ def recording(built: BuiltModel) -> Iterator[dict[str, ModuleRecord]]:
         output = function(module, *args, **kwargs)
         slots, path = CURRENT_SLOTS.get(), paths.get(module)
         if slots is not None and path in records:
-            query, key = (args[i] if len(args) > i else kwargs.get(name) for i, name in enumerate(("query", "key")))
-            if isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor):
+            names = ("query", "key", "value")
+            given = [args[i] if len(args) > i else kwargs.get(name) for i, name in enumerate(names)]
+            if all(isinstance(t, torch.Tensor) for t in given) and isinstance(
+                output[0] if isinstance(output, tuple) else output, torch.Tensor
+            ):
                 with bookkeeping():
-                    keep_function(path, slots, query, key)
+                    keep_function(path, slots, given, output)
         return output
 
     for module, path in paths.items():

@@ -235,6 +235,40 @@ def rope_interleaved() -> None:
     modeling_qwen3.apply_rotary_pos_emb = rotate
 
 
+def attention_module(values: str, heads_first: bool) -> None:
+    """Qwen3's attention module as a fork writes it, with its value projection ``values`` ("v_proj" or "k_proj") and,
+    where ``heads_first``, the attention output transposed once more before o_proj (heads and tokens mixed)."""
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        key = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        value = getattr(self, values)(hidden_states).view(hidden_shape).transpose(1, 2)
+        query, key = modeling_qwen3.apply_rotary_pos_emb(query, key, *position_embeddings)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+        function = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, modeling_qwen3.eager_attention_forward
+        )
+        out, weights = function(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
+                                sliding_window=self.sliding_window, **kwargs)  # fmt: skip
+        out = out.transpose(1, 2) if heads_first else out
+        return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+    modeling_qwen3.Qwen3Attention.forward = forward
+
+
+def values_from_keys() -> None:
+    """The values projected by k_proj (a copy-paste slip in a fork's attention)."""
+    attention_module("k_proj", heads_first=False)
+
+
+def attention_heads_transposed() -> None:
+    """The attention output transposed once more before o_proj: its rows mix heads and tokens."""
+    attention_module("v_proj", heads_first=True)
+
+
 def linear_batched_bf16_sum() -> None:
     """Linear layers that take another kernel path when the call holds more than one sequence: its products summed in
     two halves of K, each rounded to bf16 before they are added (a split-K kernel for batched shapes that keeps its
@@ -280,6 +314,6 @@ BUGS = {
                 scores_scaled_1pct, padding_mask_ignored, attention_swapped, softmax_in_bf16, silu_in_bf16,
                 mlp_batch_scaled, residual_batch_scaled, linear_batched_bf16_sum, attention_split_from_length,
                 linear_left_stock, residual_scaled, final_norm_skipped, gate_up_swapped, hidden_scaled_after_norm,
-                embeddings_scaled, rope_keys_skipped, rope_interleaved)
+                embeddings_scaled, rope_keys_skipped, rope_interleaved, values_from_keys, attention_heads_transposed)
 }  # fmt: skip
 BUGS[os.environ["RLSWEEP_BODY_BUG"]]()
