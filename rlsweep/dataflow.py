@@ -269,6 +269,15 @@ def function_edges(records: Mapping[str, ModuleRecord], modules: Mapping[str, to
         edges.append(Edge(what, len(tokens), failing, float(used.max()) if used.numel() else 0.0))
     edges.append(rows_equal(f"{name}'s value = {attention}.v_proj output", tokens, function.input_rows(2),
                             rows_at(records, Port(f"{attention}.v_proj", "output"))))  # fmt: skip
+    cache = record.cache
+    what = f"{name}'s keys and values read back from its KV cache = those their tokens got"
+    if cache.miscounted and getattr(modules.get(attention), "sliding_window", None) is None:
+        edges.append(Edge(what, cache.compared, cache.compared, math.inf, cache.miscounted))
+    else:
+        first = "" if cache.first is None else f" (first: logical token {cache.first})"
+        edges.append(Edge(what, cache.compared, cache.differing, math.inf if cache.differing else 0.0,
+                          f"{cache.differing} of {cache.compared} rows read back differ{first}" if cache.differing
+                          else ""))  # fmt: skip
     edges.append(rows_equal(f"{attention}.o_proj input = {name}'s output", tokens, function.rows[2],
                             rows_at(records, Port(f"{attention}.o_proj", "input"))))  # fmt: skip
     return edges

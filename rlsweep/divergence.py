@@ -22,6 +22,7 @@ from kernels.bitwise import bit_pattern, bit_view
 from kernels.launches import bookkeeping
 from rlsweep.hf_model import BuiltModel
 from rlsweep.model_cells import (
+    CURRENT_KEY_SLOTS,
     CURRENT_SLOTS,
     DEFAULT_CHUNK_SIZE,
     TRAINER_CELL,
@@ -32,6 +33,52 @@ from rlsweep.model_cells import (
 from rlsweep.tables import DIVERGENCE_COLUMNS
 
 LAYOUT_KEYWORDS = ("mask", "cache", "past_key")  # a call's keyword that gives a module other rows than its own
+
+
+@dataclass
+class CacheCheck:
+    """An attention function's keys and values read back from a KV cache against the ones their tokens got when they
+    were computed (the call's own), bitwise: rows compared, rows whose bits differ, the first such token, and a call
+    whose key count is not what its cache was given."""
+
+    compared: int = 0
+    differing: int = 0
+    first: int | None = None
+    miscounted: str = ""
+    own: dict[str, torch.Tensor] = field(default_factory=dict)  # "key", "value" [tokens, Hkv, D], "known" [tokens]
+
+    def compare(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """``keys`` and ``values`` [B, Hkv, K, D] read back at the logical tokens ``slots`` [B, K] (-1: padding)."""
+        if "known" not in self.own:
+            return
+        known = self.own["known"]
+        slots = slots.to(known.device)
+        held = (slots >= 0) & (slots < len(known))
+        held[held.clone()] &= known[slots[held]]
+        batch, column = held.nonzero(as_tuple=True)
+        if not len(batch):
+            return
+        tokens = slots[batch, column]
+        differ = torch.zeros(len(batch), dtype=torch.bool, device=known.device)
+        for name, read in (("key", keys), ("value", values)):
+            got = read.transpose(1, 2)[batch, column].to(known.device)
+            differ |= (bit_view(got) != bit_view(self.own[name][tokens])).reshape(len(batch), -1).any(dim=1)
+        self.compared += len(batch)
+        self.differing += int(differ.sum())
+        if self.first is None and bool(differ.any()):
+            self.first = int(tokens[differ][0])
+
+    def keep(self, tokens: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The keys and values [T, Hkv, D] the ``tokens`` got in the call that computed them."""
+        size = int(tokens.max()) + 1
+        if "known" not in self.own or len(self.own["known"]) < size:
+            grown = {name: keys.new_zeros((size, *keys.shape[1:])) for name in ("key", "value")}
+            grown["known"] = torch.zeros(size, dtype=torch.bool, device=keys.device)
+            for name, old in self.own.items():
+                grown[name][: len(old)] = old
+            self.own = grown
+        at = tokens.to(keys.device)
+        self.own["key"][at], self.own["value"][at], self.own["known"][at] = keys, values, True
 
 
 class RecordedCall(NamedTuple):
@@ -56,6 +103,7 @@ class ModuleRecord:
     # An attention module's calls of its attention function: its output rows, and as its inputs the query, the key and
     # value rows of the call's own tokens (a KV cache's earlier ones left out), and the module's RoPE cos and sin.
     function: ModuleRecord | None = None
+    cache: CacheCheck = field(default_factory=CacheCheck)  # an attention module's: what its KV cache gave back
 
     @cached_property
     def picked(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,6 +250,14 @@ def recording(built: BuiltModel) -> Iterator[dict[str, ModuleRecord]]:
         if record.function is None:
             record.function = ModuleRecord("attention function", record.order)
         record.function.calls.append(RecordedCall(tokens, rows, out[rows_of(slots, out.device)[1]].cpu(), True))
+        key_slots, earlier = CURRENT_KEY_SLOTS.get(), key.shape[2] - count
+        if key_slots is not None and tuple(key_slots.shape) != (key.shape[0], key.shape[2]):
+            record.cache.miscounted = record.cache.miscounted or (
+                f"a call read {key.shape[2]} keys where the cell's cache was given {key_slots.shape[1]}"
+            )
+        elif key_slots is not None and earlier:
+            record.cache.compare(key_slots[:, :earlier], key[:, :, :earlier], value[:, :, :earlier])
+        record.cache.keep(tokens, rows[1], rows[2])
 
     paths = {module: path for path, module in built.body.named_modules(prefix="model")}
 

@@ -269,6 +269,36 @@ def attention_heads_transposed() -> None:
     attention_module("v_proj", heads_first=True)
 
 
+def kv_cache_fp8(stored_only: bool) -> None:
+    """A KV cache kept in float8_e4m3 (an inference engine's fp8 KV cache) where the trainer's forward is bf16: what
+    attention reads back is rounded to 3 mantissa bits; with ``stored_only`` a call's own keys and values reach its
+    attention as computed, and only the cached ones come back rounded."""
+    from transformers import DynamicCache
+
+    stock = DynamicCache.update
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        rounded = [t.to(torch.float8_e4m3fn).to(t.dtype) for t in (key_states, value_states)]
+        keys, values = stock(self, *rounded, layer_idx, *args, **kwargs)
+        if not stored_only:
+            return keys, values
+        count = key_states.shape[2]
+        return (torch.cat([keys[:, :, :-count], key_states], dim=2),
+                torch.cat([values[:, :, :-count], value_states], dim=2))  # fmt: skip
+
+    DynamicCache.update = update
+
+
+def kv_cache_fp8_read() -> None:
+    """Every key and value attention reads from the cache rounded to fp8, the call's own included."""
+    kv_cache_fp8(stored_only=False)
+
+
+def kv_cache_fp8_stored() -> None:
+    """Only what the cache held from earlier calls comes back rounded to fp8."""
+    kv_cache_fp8(stored_only=True)
+
+
 def linear_batched_bf16_sum() -> None:
     """Linear layers that take another kernel path when the call holds more than one sequence: its products summed in
     two halves of K, each rounded to bf16 before they are added (a split-K kernel for batched shapes that keeps its
@@ -314,6 +344,7 @@ BUGS = {
                 scores_scaled_1pct, padding_mask_ignored, attention_swapped, softmax_in_bf16, silu_in_bf16,
                 mlp_batch_scaled, residual_batch_scaled, linear_batched_bf16_sum, attention_split_from_length,
                 linear_left_stock, residual_scaled, final_norm_skipped, gate_up_swapped, hidden_scaled_after_norm,
-                embeddings_scaled, rope_keys_skipped, rope_interleaved, values_from_keys, attention_heads_transposed)
+                embeddings_scaled, rope_keys_skipped, rope_interleaved, values_from_keys, attention_heads_transposed,
+                kv_cache_fp8_read, kv_cache_fp8_stored)
 }  # fmt: skip
 BUGS[os.environ["RLSWEEP_BODY_BUG"]]()

@@ -325,6 +325,13 @@ ACCURACY, INVARIANCE = "module_accuracy", "forward_invariance"
                 for c in ("BN/pad_right", "decode")
             },
         ),
+        # An fp8 KV cache that gives each call its own keys and values as computed: only the cells that read a cache
+        # back (a later chunk, a decode step) attend to rounded keys, which every op's bound admits.
+        (
+            "kv_cache_fp8_stored",
+            "BN/packed,BN/chunked,decode",
+            {(ACCURACY, "dataflow", "BN/chunked"), (ACCURACY, "dataflow", "decode")},
+        ),
         # Glue no op class covers: the MLP's output scaled for calls of several sequences. Every op within its bound;
         # the MLP gives the rows whose inputs the packed row gave it other bits, and its output is not its down_proj's.
         (

@@ -489,8 +489,10 @@ def test_the_dataflow_of_a_stock_model_holds_and_a_product_off_by_more_than_one_
     records = record_cell(eager, workload, "decode", 5)
     ids = torch.cat(workload.sequences)
     edges = pre_norm_residual_edges(eager, records, ids)
-    assert len(edges) == 46 and all(edge.passed for edge in edges), [e for e in edges if not e.passed]
+    assert len(edges) == 48 and all(edge.passed for edge in edges), [e for e in edges if not e.passed]
     assert 0.9 < max(edge.used for edge in edges) <= 1
+    cached = [edge for edge in edges if "read back from its KV cache" in edge.what]
+    assert len(cached) == 2 and all(edge.tokens > 100 for edge in cached)  # every decode step read its cache back
     roles = ("forward_accuracy", "forward_accuracy")
     assert dataflow_verdict(eager, records, ids, "decode", roles).passed
     down = records["model.layers.1.mlp.down_proj"]
@@ -500,7 +502,7 @@ def test_the_dataflow_of_a_stock_model_holds_and_a_product_off_by_more_than_one_
     what = "model.layers.1.mlp.down_proj input = model.layers.1.mlp.act_fn output * model.layers.1.mlp.up_proj output"
     assert [(edge.what, edge.failing) for edge in broken] == [(what, 1)] and broken[0].used > 1.5, broken
     verdict = dataflow_verdict(eager, records, ids, "decode", roles)
-    assert not verdict.passed and f"1 of 46 edges of the qwen3 dataflow broken; first {what}: 1 of" in verdict.detail
+    assert not verdict.passed and f"1 of 48 edges of the qwen3 dataflow broken; first {what}: 1 of" in verdict.detail
     # A model type whose dataflow is not described: nothing was judged, which is red.
     other = types.SimpleNamespace(model=types.SimpleNamespace(config=types.SimpleNamespace(model_type="gpt2")))
     verdict = dataflow_verdict(other, records, ids, "decode", roles)
