@@ -3,7 +3,7 @@
 Module accuracy judges each module on the inputs it was given, so the glue between modules is in no module: the
 residual adds, the hand-off of one module's output to the next, the MLP's gate times up, the final norm's output
 becoming the body's. For model types whose decoder has the pre-norm residual form (``PRE_NORM_RESIDUAL``), every
-token's rows recorded in a cell (``rlsweep.divergence.recording``) are checked against that form, edge by edge:
+token's rows recorded in a cell (``rlsweep.recording``) are checked against that form, edge by edge:
 
 - a hand-off is bitwise: the next module's main input has the bits of the output (or input) it is said to take;
 - a sum or product of two recorded tensors is within one rounding of its float64 value (``rounding_used``), and the
@@ -26,10 +26,10 @@ import torch
 
 from kernels.bitwise import bit_view
 from kernels.rounding import SIGNIFICAND_BITS, half_ulp
-from rlsweep.divergence import ModuleRecord
 from rlsweep.hf_model import BuiltModel
 from rlsweep.model_judgments import DATAFLOW
 from rlsweep.module_accuracy import op_class
+from rlsweep.recording import MODULE_PREFIX, ModuleRecord
 from rlsweep.verdicts import Judgment, Verdict
 
 # transformers model types whose base model is: embed_tokens, then each layer x -> h = x + self_attn(
@@ -37,7 +37,6 @@ from rlsweep.verdicts import Judgment, Verdict
 PRE_NORM_RESIDUAL = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 LAYER_CHILDREN = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 DOCS = "docs/whole_model.md#dataflow"
-BODY = "model"  # the body's path prefix in the records (``recording``: named_modules(prefix="model"))
 
 
 @dataclass(frozen=True)
@@ -160,7 +159,7 @@ def embedding_edge(records: Mapping[str, ModuleRecord], embedding: torch.nn.Modu
 def pre_norm_residual_edges(built: BuiltModel, records: Mapping[str, ModuleRecord],
                             token_ids: torch.Tensor) -> list[Edge]:  # fmt: skip
     """Every edge of the pre-norm residual form in one cell's records, in execution order."""
-    modules = dict(built.body.named_modules(prefix=BODY))
+    modules = dict(built.body.named_modules(prefix=MODULE_PREFIX))
     layers = int(built.model.config.num_hidden_layers)
     edges: list[Edge] = []
 
@@ -179,11 +178,11 @@ def pre_norm_residual_edges(built: BuiltModel, records: Mapping[str, ModuleRecor
     def out(path: str) -> Port:
         return Port(path, "output")
 
-    embed = f"{BODY}.embed_tokens"
+    embed = f"{MODULE_PREFIX}.embed_tokens"
     edges += embedding_edge(records, modules.get(embed), embed, token_ids)
     previous = out(embed)
     for index in range(layers):
-        layer = f"{BODY}.layers.{index}"
+        layer = f"{MODULE_PREFIX}.layers.{index}"
         norm1, attention, norm2, mlp = (f"{layer}.{child}" for child in LAYER_CHILDREN)
         is_norm(norm1)
         is_norm(norm2)
@@ -208,9 +207,9 @@ def pre_norm_residual_edges(built: BuiltModel, records: Mapping[str, ModuleRecor
             ]
         edges.append(one_rounding(records, out(layer), "+", inp(norm2), out(mlp)))
         previous = out(layer)
-    norm = f"{BODY}.norm"
+    norm = f"{MODULE_PREFIX}.norm"
     is_norm(norm)
-    edges += [handoff(records, previous, inp(norm)), handoff(records, out(norm), out(BODY))]
+    edges += [handoff(records, previous, inp(norm)), handoff(records, out(norm), out(MODULE_PREFIX))]
     return edges
 
 

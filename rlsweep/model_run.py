@@ -94,7 +94,8 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
     """The model, its workload and every cell through ``op``; provenance, module and trainer-rollout verdicts as
     they come. Returns ``rlsweep.run.Computed`` with a gold per cell and the divergence rows."""
     from rlsweep.dataflow import dataflow_verdict
-    from rlsweep.divergence import divergence, equalities, recording, row_local_mismatches
+    from rlsweep.divergence import divergence, equalities, row_local_mismatches
+    from rlsweep.recording import recording
     from rlsweep.run import Computed, unique_provenance
 
     profile, contract = spec.profile, spec.contract

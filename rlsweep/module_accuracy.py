@@ -36,6 +36,7 @@ from rlsweep.model_cells import (
     layout_positions,
     watching_attention,
 )
+from rlsweep.recording import MODULE_PREFIX
 
 ACCURACY_COLUMNS = ("module", "module_class", "op_class", "elements", "max_abs_error", "scale_error", "bound_used",
                     "passed")  # fmt: skip
@@ -121,7 +122,7 @@ def watching_calls(built: BuiltModel, hooked: Callable[[torch.nn.Module], bool],
     """While the block runs: ``module_call(path, module, args, kwargs, output)`` after each call of a body module that
     ``hooked`` picks, and ``attention_call(function, path, module, args, kwargs)`` makes each call of the attention
     function (``path``: its attention module's, ``.attention_function`` added)."""
-    paths = {module: path for path, module in built.body.named_modules(prefix="model")}
+    paths = {module: path for path, module in built.body.named_modules(prefix=MODULE_PREFIX)}
 
     def attention(function, module: torch.nn.Module, args: tuple, kwargs: dict):
         path = f"{paths.get(module, type(module).__name__)}.attention_function"
@@ -191,7 +192,7 @@ def layout_calls(built: BuiltModel, unrecorded: frozenset[str] = frozenset()) ->
     transformers chose. The modules at the paths ``unrecorded`` (``unrecorded_paths``: row-local modules whose calls
     the divergence recording cannot lay out by token, an MoE's experts) are kept whole, every call."""
     calls: list[Call] = []
-    kept_whole = {id(module) for path, module in built.body.named_modules(prefix="model") if path in unrecorded}
+    kept_whole = {id(module) for path, module in built.body.named_modules(prefix=MODULE_PREFIX) if path in unrecorded}
 
     def keep(path: str, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any, batch: int, **fields):
         slots = CURRENT_SLOTS.get()
@@ -220,11 +221,11 @@ def layout_calls(built: BuiltModel, unrecorded: frozenset[str] = frozenset()) ->
 
 def recorded_calls(built: BuiltModel, records: dict) -> list[Call]:
     """The calls of every module of a row-local op class (``ROW_LOCAL_OP_CLASSES``) that
-    ``rlsweep.divergence.recording`` recorded in a cell (``ModuleRecord`` by module path): the input and output rows of
+    ``rlsweep.recording.recording`` recorded in a cell (``ModuleRecord`` by module path): the input and output rows of
     its judged tokens (padding and fillers are not recorded), the output on the input's device. What ``accuracy_table``
     judges of those modules in each cell after the first, with no hooks of its own; a call recorded with other than one
     per-token input is left out (an op class with nothing judged is red)."""
-    modules = dict(built.body.named_modules(prefix="model"))
+    modules = dict(built.body.named_modules(prefix=MODULE_PREFIX))
     calls = []
     for path, record in records.items():
         module = modules.get(path)
@@ -236,13 +237,13 @@ def recorded_calls(built: BuiltModel, records: dict) -> list[Call]:
 
 
 def unrecorded_paths(built: BuiltModel, records: dict) -> frozenset[str]:
-    """The modules of a row-local op class (``ROW_LOCAL_OP_CLASSES``) of which ``rlsweep.divergence.recording`` recorded
+    """The modules of a row-local op class (``ROW_LOCAL_OP_CLASSES``) of which ``rlsweep.recording.recording`` recorded
     no call by token in a cell (``records``: the canonical cell's), so ``recorded_calls`` cannot judge them in the other
     cells: modules called on rows other than the call's [batch, position] (an MoE's experts, on the tokens routed to
     them)."""
     laid_out = {path for path, record in records.items() if any(len(call.inputs) == 1 for call in record.calls)}
     return frozenset(
-        path for path, module in built.body.named_modules(prefix="model")
+        path for path, module in built.body.named_modules(prefix=MODULE_PREFIX)
         if op_class(module) in ROW_LOCAL_OP_CLASSES and path not in laid_out
     )  # fmt: skip
 

@@ -15,13 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 import kernels  # noqa: E402
 from rlsweep.dataflow import dataflow_verdict, pre_norm_residual_edges  # noqa: E402
-from rlsweep.divergence import (  # noqa: E402
-    DIVERGENCE_COLUMNS,
-    first_diverging,
-    record_cell,
-    row_local_mismatches,
-    row_mixing,
-)
+from rlsweep.divergence import DIVERGENCE_COLUMNS, first_diverging, row_local_mismatches, row_mixing  # noqa: E402
 from rlsweep.errors import ConfigError, ReplayInputError  # noqa: E402
 from rlsweep.hf_model import WholeModelSpec, build_model, weights_hash  # noqa: E402
 from rlsweep.model_cells import (  # noqa: E402
@@ -35,6 +29,7 @@ from rlsweep.model_cells import (  # noqa: E402
 )
 from rlsweep.model_judgments import row_local_verdict  # noqa: E402
 from rlsweep.module_accuracy import ACCURACY_COLUMNS, end_to_end_error, module_accuracy  # noqa: E402
+from rlsweep.recording import record_cell  # noqa: E402
 
 QWEN3_TINY = {
     "model_type": "qwen3", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
