@@ -35,6 +35,7 @@ from rlsweep.verdicts import Judgment, Verdict
 # transformers model types whose base model is: embed_tokens, then each layer x -> h = x + self_attn(
 # input_layernorm(x)) -> h + mlp(post_attention_layernorm(h)), then norm (their modeling code in transformers 5)
 PRE_NORM_RESIDUAL = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+GATED_MLP = ("gate_proj", "up_proj", "down_proj", "act_fn")
 LAYER_CHILDREN = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 DOCS = "docs/whole_model.md#dataflow"
 
@@ -116,17 +117,28 @@ def one_rounding(records: Mapping[str, ModuleRecord], result: Port, sign: str, a
     return Edge(what, len(tokens), failing, float(used.max()) if used.numel() else 0.0)
 
 
-def rounding_used(result: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
-    """|result - exact| as a share of one rounding to ``result``'s dtype, after one fp32 rounding where the dtype is
-    narrower; equal values (infinities, NaN for NaN) use 0, any other non-finite value inf."""
-    magnitude = exact.abs()
-    bound = half_ulp(torch.nan_to_num(magnitude, posinf=0.0), result.dtype)
-    if SIGNIFICAND_BITS[result.dtype] < SIGNIFICAND_BITS[torch.float32]:
-        bound = bound + half_ulp(torch.nan_to_num(magnitude, posinf=0.0), torch.float32)
+def rounding(magnitude: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The most one rounding to ``dtype`` moves a float64 value of ``magnitude``: half an ulp, plus half an fp32 ulp
+    where the dtype is narrower (torch computes its elementwise ops on narrower dtypes in fp32, then rounds)."""
+    magnitude = torch.nan_to_num(magnitude, posinf=0.0)
+    bound = half_ulp(magnitude, dtype)
+    if SIGNIFICAND_BITS[dtype] < SIGNIFICAND_BITS[torch.float32]:
+        bound = bound + half_ulp(magnitude, torch.float32)
+    return bound
+
+
+def share_used(result: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """|result - exact| as a share of ``bound``; equal values (infinities, NaN for NaN) use 0, any other non-finite
+    value inf."""
     value = result.double()
     used = (value - exact).abs() / bound
     same = (value == exact) | (value.isnan() & exact.isnan())
     return torch.where(same, 0.0, torch.where(used.isfinite(), used, math.inf))
+
+
+def rounding_used(result: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """|result - exact| as a share of one rounding to ``result``'s dtype (``rounding``)."""
+    return share_used(result, exact, rounding(exact.abs(), result.dtype))
 
 
 def embedding_edge(records: Mapping[str, ModuleRecord], embedding: torch.nn.Module, path: str,
@@ -169,9 +181,6 @@ def pre_norm_residual_edges(built: BuiltModel, records: Mapping[str, ModuleRecor
             kind = "missing" if module is None else f"a {type(module).__name__}"
             edges.append(Edge(f"{path} is an RMSNorm", 0, 0, math.inf, f"{path} is {kind}"))
 
-    def has(path: str, *children: str) -> bool:
-        return all(f"{path}.{child}" in modules for child in children)
-
     def inp(path: str) -> Port:
         return Port(path, "input")
 
@@ -196,7 +205,9 @@ def pre_norm_residual_edges(built: BuiltModel, records: Mapping[str, ModuleRecor
             one_rounding(records, inp(norm2), "+", inp(layer), out(attention)),
             handoff(records, out(norm2), inp(mlp)),
         ]
-        if has(mlp, "gate_proj", "up_proj", "down_proj", "act_fn"):  # a dense gated MLP (an MoE block's are not)
+        if has_children(
+            modules, mlp, "gate_proj", "up_proj", "down_proj", "act_fn"
+        ):  # a dense gated MLP (an MoE block's are not)
             gate, up, down, act = (f"{mlp}.{child}" for child in ("gate_proj", "up_proj", "down_proj", "act_fn"))
             edges += [
                 handoff(records, inp(mlp), inp(gate)),
@@ -213,16 +224,20 @@ def pre_norm_residual_edges(built: BuiltModel, records: Mapping[str, ModuleRecor
     return edges
 
 
+def has_children(modules: Mapping[str, torch.nn.Module], path: str, *children: str) -> bool:
+    return all(f"{path}.{child}" in modules for child in children)
+
+
 def attention_edges(records: Mapping[str, ModuleRecord], modules: Mapping[str, torch.nn.Module],
                     attention: str) -> list[Edge]:  # fmt: skip
     """An attention module's projections: each of q, k and v takes its input, its q_norm and k_norm (where it has
     them) take q's and k's outputs, and its output is o_proj's."""
-    if not all(f"{attention}.{p}" in modules for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+    if not has_children(modules, attention, "q_proj", "k_proj", "v_proj", "o_proj"):
         return []
     given = Port(attention, "input")
     edges = [handoff(records, given, Port(f"{attention}.{p}", "input")) for p in ("q_proj", "k_proj", "v_proj")]
     for norm, projection in (("q_norm", "q_proj"), ("k_norm", "k_proj")):
-        if f"{attention}.{norm}" in modules:
+        if has_children(modules, attention, norm):
             edges.append(handoff(records, Port(f"{attention}.{projection}", "output"),
                                  Port(f"{attention}.{norm}", "input")))  # fmt: skip
     edges += function_edges(records, modules, attention)
@@ -247,7 +262,7 @@ def function_edges(records: Mapping[str, ModuleRecord], modules: Mapping[str, to
     cos, sin = function.input_rows(3), function.input_rows(4)
     edges = []
     for index, part, projection, norm in ((0, "query", "q_proj", "q_norm"), (1, "key", "k_proj", "k_norm")):
-        source = Port(f"{attention}.{norm if f'{attention}.{norm}' in modules else projection}", "output")
+        source = Port(f"{attention}.{norm if has_children(modules, attention, norm) else projection}", "output")
         what = f"{name}'s {part} = RoPE({source})"
         given, pre = function.input_rows(index), rows_at(records, source)
         if given is None or cos is None or sin is None or isinstance(pre, str):
@@ -272,11 +287,11 @@ def function_edges(records: Mapping[str, ModuleRecord], modules: Mapping[str, to
     what = f"{name}'s keys and values read back from its KV cache = those their tokens got"
     if cache.miscounted and getattr(modules.get(attention), "sliding_window", None) is None:
         edges.append(Edge(what, cache.compared, cache.compared, math.inf, cache.miscounted))
+    elif cache.differing:
+        why = f"{cache.differing} of {cache.compared} rows read back differ (first: logical token {cache.first})"
+        edges.append(Edge(what, cache.compared, cache.differing, math.inf, why))
     else:
-        first = "" if cache.first is None else f" (first: logical token {cache.first})"
-        edges.append(Edge(what, cache.compared, cache.differing, math.inf if cache.differing else 0.0,
-                          f"{cache.differing} of {cache.compared} rows read back differ{first}" if cache.differing
-                          else ""))  # fmt: skip
+        edges.append(Edge(what, cache.compared, 0, 0.0))
     edges.append(rows_equal(f"{attention}.o_proj input = {name}'s output", tokens, function.rows[2],
                             rows_at(records, Port(f"{attention}.o_proj", "input"))))  # fmt: skip
     return edges
@@ -299,25 +314,14 @@ def rows_equal(what: str, tokens: torch.Tensor, rows: torch.Tensor | None,
 
 def rope_used(result: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """|result - (x cos + rotate_half(x) sin)| (float64, from the recorded values) as a share of three roundings to
-    ``result``'s dtype: the two products and their sum, each at its own magnitude (as in ``rounding_used``)."""
+    ``result``'s dtype: the two products and their sum, each at its own magnitude (``rounding``)."""
     half = x.shape[-1] // 2
     x64 = x.double()
     rotated = torch.cat([-x64[..., half:], x64[..., :half]], dim=-1)
     first, second = x64 * cos.double(), rotated * sin.double()
     exact = first + second
-
-    def rounding(magnitude: torch.Tensor) -> torch.Tensor:
-        bound = half_ulp(magnitude, result.dtype)
-        if SIGNIFICAND_BITS[result.dtype] < SIGNIFICAND_BITS[torch.float32]:
-            bound = bound + half_ulp(magnitude, torch.float32)
-        return bound
-
-    products = rounding(first.abs()) + rounding(second.abs())
-    bound = products + rounding(exact.abs() + products)
-    value = result.double()
-    used = (value - exact).abs() / bound
-    same = (value == exact) | (value.isnan() & exact.isnan())
-    return torch.where(same, 0.0, torch.where(used.isfinite(), used, math.inf))
+    products = rounding(first.abs(), result.dtype) + rounding(second.abs(), result.dtype)
+    return share_used(result, exact, products + rounding(exact.abs() + products, result.dtype))
 
 
 def dataflow_verdict(built: BuiltModel, records: Mapping[str, ModuleRecord], token_ids: torch.Tensor, cell: str,

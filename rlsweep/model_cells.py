@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -563,6 +564,12 @@ def watching_attention(built: BuiltModel, call: Callable | None = None) -> Itera
             local.pop(key, None)
         else:
             local[key] = before
+
+
+def attention_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    """(query, key, value, attention mask) of an attention function's call, positional or by keyword."""
+    query, key, value = (args[i] if len(args) > i else kwargs[name] for i, name in enumerate(("query", "key", "value")))
+    return query, key, value, args[3] if len(args) > 3 else kwargs.get("attention_mask")
 
 
 @contextmanager

@@ -31,6 +31,7 @@ from rlsweep.model_cells import (
     CURRENT_SLOTS,
     TRAINER_CELL,
     TokenWorkload,
+    attention_inputs,
     cell_hidden,
     layout_allowed,
     layout_positions,
@@ -160,12 +161,6 @@ def recording_calls(built: BuiltModel) -> Iterator[list[Call]]:
 
     with watching_calls(built, lambda module: op_class(module) is not None, keep, attention):
         yield calls
-
-
-def attention_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
-    """(query, key, value, attention mask) of an attention function's call, positional or by keyword."""
-    query, key, value = (args[i] if len(args) > i else kwargs[name] for i, name in enumerate(("query", "key", "value")))
-    return query, key, value, args[3] if len(args) > 3 else kwargs.get("attention_mask")
 
 
 def rotary_positions(module: torch.nn.Module, output: Any) -> torch.Tensor | None:

@@ -20,7 +20,14 @@ import torch
 from kernels.bitwise import bit_pattern, bit_view
 from kernels.launches import bookkeeping
 from rlsweep.hf_model import BuiltModel
-from rlsweep.model_cells import CURRENT_KEY_SLOTS, CURRENT_SLOTS, TokenWorkload, cell_hidden, watching_attention
+from rlsweep.model_cells import (
+    CURRENT_KEY_SLOTS,
+    CURRENT_SLOTS,
+    TokenWorkload,
+    attention_inputs,
+    cell_hidden,
+    watching_attention,
+)
 
 MODULE_PREFIX = "model"  # a module's path in the records: the body's named_modules under this prefix
 LAYOUT_KEYWORDS = ("mask", "cache", "past_key")  # a call's keyword that gives a module other rows than its own
@@ -45,7 +52,7 @@ class CacheCheck:
         known = self.own["known"]
         slots = slots.to(known.device)
         held = (slots >= 0) & (slots < len(known))
-        held[held.clone()] &= known[slots[held]]
+        held &= known[slots.clamp(0, len(known) - 1)]  # a token whose own key and value were kept
         batch, column = held.nonzero(as_tuple=True)
         if not len(batch):
             return
@@ -219,13 +226,12 @@ def recording(built: BuiltModel) -> Iterator[dict[str, ModuleRecord]]:
         records[path].calls.append(RecordedCall(tokens, rows, outputs[0][where].cpu(), main))
 
     @torch.no_grad()
-    def keep_function(path: str, slots: torch.Tensor, given: list[Any], output: Any) -> None:
+    def keep_function(path: str, slots: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      out: torch.Tensor) -> None:  # fmt: skip
         """An attention function's call by token: its query [B, Hq, Q, D], key and value [B, Hkv, K, D] (K >= Q: the
         call's own keys last, after a KV cache's) and output [B, Q, Hq, D], with the RoPE cos and sin its module was
         given."""
-        query, key, value = given
         count = query.shape[2]
-        out = output[0] if isinstance(output, tuple) else output
         shapes = [t.dim() == 4 for t in (query, key, value, out)]
         if not all(shapes) or tuple(slots.shape) != (query.shape[0], count) or out.shape[:2] != slots.shape:
             return
@@ -255,14 +261,11 @@ def recording(built: BuiltModel) -> Iterator[dict[str, ModuleRecord]]:
     def attention(function: Any, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         output = function(module, *args, **kwargs)
         slots, path = CURRENT_SLOTS.get(), paths.get(module)
-        if slots is not None and path in records:
-            names = ("query", "key", "value")
-            given = [args[i] if len(args) > i else kwargs.get(name) for i, name in enumerate(names)]
-            if all(isinstance(t, torch.Tensor) for t in given) and isinstance(
-                output[0] if isinstance(output, tuple) else output, torch.Tensor
-            ):
-                with bookkeeping():
-                    keep_function(path, slots, given, output)
+        out = output[0] if isinstance(output, tuple) else output
+        given = attention_inputs(args, kwargs)[:3]
+        if slots is not None and path in records and all(isinstance(t, torch.Tensor) for t in (*given, out)):
+            with bookkeeping():
+                keep_function(path, slots, *given, out)
         return output
 
     for module, path in paths.items():
