@@ -86,3 +86,28 @@ def test_integer_overflow_checks_are_skipped_only_where_their_asserts_are_droppe
     expected = torch.arange(n, dtype=torch.int64) * 1103515245 + torch.arange(rows, dtype=torch.int64)[:, None] * 12345
     expected = ((expected + 2**31) % 2**32 - 2**31).to(torch.int32).reshape(-1)  # two's-complement wrap
     assert torch.equal(checked, expected) and torch.equal(skipped, expected)
+
+
+def test_bf16_fp32_casts_give_the_interpreters_own_bits_for_every_pattern():
+    """The shift that replaces the interpreter's bf16 <-> fp32 conversion where no input is subnormal gives that
+    conversion's bits: every bf16 pattern widened, fp32 of every exponent (subnormals, zeros, infs and NaNs
+    included) narrowed, contiguous or strided; and a rounding conversion (RTNE) is still the interpreter's."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    assert patch_language_once() is True
+    fast = interpreter._convert_float
+    own = fast.__wrapped__
+    assert fast is not own
+    bf16 = np.arange(2**16, dtype=np.uint32).astype(np.uint16).reshape(256, 256)
+    assert np.array_equal(fast(bf16, tl.bfloat16, tl.float32, None), own(bf16, tl.bfloat16, tl.float32, None))
+    rng = np.random.default_rng(7)
+    exponents = np.arange(256, dtype=np.uint32)[:, None] << 23
+    bits = exponents | rng.integers(0, 2**23, (256, 512), dtype=np.uint32) | (rng.integers(0, 2, (256, 512)) << 31)
+    bits[:, :4] = np.array([0, 0x80000000, 0x7F800001, 0xFF800000], dtype=np.uint32)
+    fp32 = bits.astype(np.uint32).view(np.float32)
+    for x in (fp32, fp32[1:], fp32[1:, ::3], fp32[200:201, 7:9]):  # with and without subnormals
+        narrowed = fast(x, tl.float32, tl.bfloat16, None)
+        assert narrowed.dtype == np.uint16 and np.array_equal(narrowed, own(x, tl.float32, tl.bfloat16, None))
+    rtne = interpreter._ir.ROUNDING_MODE.RTNE
+    assert np.array_equal(fast(fp32[1:], tl.float32, tl.bfloat16, rtne), own(fp32[1:], tl.float32, tl.bfloat16, rtne))
