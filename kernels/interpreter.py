@@ -27,6 +27,10 @@ conversion walks every mantissa bit of the block once any element's exponent fie
 bf16 load's ``other=0.0`` took about a fifth of a small matmul launch. Where an element is a nonzero subnormal the
 interpreter's own conversion runs, so every value is the one it gives (tests/test_interpreter.py checks all 65,536
 bf16 patterns and fp32 ones of every exponent).
+
+``remembered_numpy_dtypes``: the interpreter looks up the numpy dtype of a Triton type on nearly every operation, and
+each lookup built a table of 17 numpy dtypes first (about 5 % of an invariant-body run). The answer depends on the
+element type alone, so it is looked up once per element type.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ def patch_language_once() -> bool:
     interpreter._patch_lang = patch_once
     skip_dead_overflow_checks(interpreter)
     exact_float_casts(interpreter)
+    remembered_numpy_dtypes(interpreter)
     return True
 
 
@@ -101,3 +106,27 @@ def exact_float_casts(interpreter: Any) -> None:
 
     convert_float.exact_shift = True
     interpreter._convert_float = convert_float
+
+
+def remembered_numpy_dtypes(interpreter: Any) -> None:
+    """``_get_np_dtype`` once per element type: a block's answer is its element type's (a pointer's: uint64)."""
+    lookup = getattr(interpreter, "_get_np_dtype", None)
+    language = getattr(interpreter, "tl", None)
+    block_type = getattr(language, "block_type", None)
+    if not callable(lookup) or getattr(lookup, "remembered", False) or not isinstance(block_type, type):
+        return
+    known: dict[Any, Any] = {}
+
+    @functools.wraps(lookup)
+    def numpy_dtype(tt_dtype: Any) -> Any:
+        key = tt_dtype.element_ty if isinstance(tt_dtype, block_type) else tt_dtype
+        try:
+            return known[key]
+        except KeyError:
+            known[key] = found = lookup(key)
+            return found
+        except TypeError:  # a type that cannot be a key is looked up as the interpreter would
+            return lookup(tt_dtype)
+
+    numpy_dtype.remembered = True
+    interpreter._get_np_dtype = numpy_dtype

@@ -111,3 +111,17 @@ def test_bf16_fp32_casts_give_the_interpreters_own_bits_for_every_pattern():
         assert narrowed.dtype == np.uint16 and np.array_equal(narrowed, own(x, tl.float32, tl.bfloat16, None))
     rtne = interpreter._ir.ROUNDING_MODE.RTNE
     assert np.array_equal(fast(fp32[1:], tl.float32, tl.bfloat16, rtne), own(fp32[1:], tl.float32, tl.bfloat16, rtne))
+
+
+def test_numpy_dtypes_are_the_interpreters_own_for_scalars_blocks_and_pointers():
+    from triton.runtime import interpreter
+
+    assert patch_language_once() is True
+    remembered, own = interpreter._get_np_dtype, interpreter._get_np_dtype.__wrapped__
+    assert remembered is not own
+    scalars = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64,
+               tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.float8e5, tl.float8e4nv]  # fmt: skip
+    types = [*scalars, *(tl.pointer_type(t) for t in scalars)]
+    types += [tl.block_type(t, [4, 8]) for t in types]
+    for tt in types * 2:  # the second pass answers from what the first remembered
+        assert remembered(tt) == own(tt), tt
