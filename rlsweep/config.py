@@ -81,7 +81,8 @@ class ExpectedVerdictConfig:
     cells: list[str] = field(default_factory=lambda: ["*"])  # fnmatch patterns over cell names
     tensors: list[str] = field(default_factory=lambda: ["*"])
     reason: str = MISSING
-    strict: bool = True
+    # Any, not bool: OmegaConf would turn strict=0, 2 or "yes" into a bool on its way in; rlsweep.spec refuses them.
+    strict: Any = True
 
 
 @dataclass

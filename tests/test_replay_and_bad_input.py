@@ -351,6 +351,19 @@ def test_an_empty_selector_of_a_declaration_is_refused(where, selector):
         run_spec(compose_run("profile=negative_control_cpu", "layout=smoke", declaration))
 
 
+# strict takes a boolean alone: OmegaConf turned 0, 1, 2 and "yes" into one, and strict=0 loosened a declaration.
+@pytest.mark.parametrize("where", ["expected_red", "profile.expected_red"])
+@pytest.mark.parametrize(("value", "shown"), [("0", "0"), ("2", "2"), ("yes", "'yes'"), ("'true'", "'true'")])
+def test_a_declaration_whose_strict_is_not_a_boolean_is_refused(where, value, shown):
+    declaration = f"{where}=[{{judgment: forward_invariance, reason: x, strict: {value}}}]"
+    with pytest.raises(ConfigError, match=re.escape(f"strict={shown} is not a boolean; use true")):
+        run_spec(compose_run("profile=negative_control_cpu", "layout=smoke", declaration))
+    for flag in (True, False):
+        loose = declaration.replace(f"strict: {value}", f"strict: {str(flag).lower()}")
+        spec = run_spec(compose_run("profile=negative_control_cpu", "layout=smoke", loose))
+        assert [d.strict for d in spec.expectations] == [flag]
+
+
 # A tp degree no run can have selects nothing too: refused before any kernel, not a red row after the sweep.
 @pytest.mark.parametrize("where", ["expected_red", "profile.expected_red"])
 @pytest.mark.parametrize("degree", [0, -1, MAX_TP + 1])
