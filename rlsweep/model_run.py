@@ -110,7 +110,7 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
     logits_dtype = EXECUTION_DTYPES[profile.logits_name]
     computed = Computed()
     observed["body"] = {}
-    canonical_records, unrecorded, tables = None, frozenset(), []
+    canonical_records, unrecorded, tables, known = None, frozenset(), [], None
     token_ids, accuracy_roles = torch.cat(tokens.sequences), contract.roles_for(Judgment.FORWARD_ACCURACY)
     for number, name in enumerate(cells, start=1):
         log.info("cell %d/%d %s: the body, then the head", number, len(cells), name)
@@ -142,7 +142,7 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
             verdicts.append(computed.stop(provenance_verdict(name, required, ran, profile.backend_family,
                                                              error=str(err))))  # fmt: skip
             break
-        bound = kernels.rounding_bound(hidden, weight, workload.targets, logits_dtype=logits_dtype)
+        bound = head_bound(hidden, weight, workload.targets, logits_dtype, known)
         standard = Standard.of(spec, {"logp": bound.logp, "lse": bound.lse})
         reference = run_reference(cell, workload, weight, nothing, spec.sharding.vocab_tile)
         computed.results.append(result)
@@ -158,6 +158,7 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
         del layout
         if number == 1:
             canonical_records, unrecorded = records, unrecorded_paths(built, records)
+            known = (hidden, workload.targets, bound)
         elif spec.bitwise_body or differs(result, computed.results[0]):
             tables.append(divergence(canonical_records, records, cell=name, canonical_cell=cells[0],
                                      equality=equality))  # fmt: skip
@@ -187,6 +188,32 @@ def compute_whole_model(spec: RunSpec, op: kernels.LogprobOp, run: dict[str, Any
                                                contract.roles_for(invariance_roles(name)))
                      for name in cells[1:]]  # fmt: skip
     return computed
+
+
+def head_bound(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    logits_dtype: torch.dtype,
+    known: tuple[torch.Tensor, torch.Tensor, kernels.RoundingBound] | None,
+) -> kernels.RoundingBound:
+    """The head's rounding bound of each row of ``hidden`` (``kernels.rounding_bound``, a function of the row and its
+    target alone): a row bitwise equal to the canonical cell's, with the same target, takes that cell's bound
+    (``known``: its hidden, targets and bound); the others are computed. A body whose every cell gives the canonical
+    cell's bits computes it once."""
+    if known is None or known[0].shape != hidden.shape or known[0].dtype != hidden.dtype:
+        return kernels.rounding_bound(hidden, weight, targets, logits_dtype=logits_dtype)
+    canonical_hidden, canonical_targets, canonical = known
+    same = ~(kernels.bit_view(hidden) != kernels.bit_view(canonical_hidden)).any(dim=1) & (targets == canonical_targets)
+    if bool(same.all()):
+        return canonical
+    moved = (~same).nonzero()[:, 0]
+    part = kernels.rounding_bound(hidden[moved], weight, targets[moved], logits_dtype=logits_dtype)
+    rows, merged = moved.cpu(), {}
+    for field in ("logp", "lse", "spread"):
+        merged[field] = getattr(canonical, field).clone()
+        merged[field][rows] = getattr(part, field)
+    return kernels.RoundingBound(**merged)
 
 
 def differs(result: CellResult, canonical: CellResult) -> bool:

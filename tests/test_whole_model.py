@@ -28,6 +28,7 @@ from rlsweep.model_cells import (  # noqa: E402
     trainer_vs_rollout,
 )
 from rlsweep.model_judgments import row_local_verdict  # noqa: E402
+from rlsweep.model_run import head_bound  # noqa: E402
 from rlsweep.module_accuracy import ACCURACY_COLUMNS, end_to_end_error, module_accuracy  # noqa: E402
 from rlsweep.recording import record_cell  # noqa: E402
 
@@ -504,3 +505,26 @@ def test_the_dataflow_of_a_stock_model_holds_and_a_product_off_by_more_than_one_
     assert (
         not verdict.passed and "model_type 'gpt2' has no dataflow described here: nothing was judged" in verdict.detail
     )
+
+
+def test_a_cells_head_bound_is_the_bound_of_its_own_rows_whichever_it_takes_from_the_canonical_cell():
+    """A row bitwise equal to the canonical cell's, with the same target, takes that cell's bound; a row whose hidden
+    state or target moved gets its own. Either way each row's bound is the one computed for the cell's own rows."""
+    generator = torch.Generator().manual_seed(11)
+    rows, hidden_size, vocab = 37, 64, 1001
+    hidden = torch.randn(rows, hidden_size, generator=generator).bfloat16()
+    weight = (torch.randn(vocab, hidden_size, generator=generator) * 0.5).bfloat16()
+    targets = torch.randint(0, vocab, (rows,), generator=generator)
+    targets[:5] = kernels.IGNORE_INDEX
+    canonical = kernels.rounding_bound(hidden, weight, targets, logits_dtype=torch.bfloat16)
+    known = (hidden, targets, canonical)
+    assert head_bound(hidden.clone(), weight, targets.clone(), torch.bfloat16, known) is canonical
+    moved, retargeted = hidden.clone(), targets.clone()
+    moved[[2, 9, 30]] = torch.randn(3, hidden_size, generator=generator).bfloat16()
+    moved.view(torch.int16)[17, 0] += 1  # one element of one row, one ulp
+    retargeted[21] = (retargeted[21] + 1) % vocab
+    got = head_bound(moved, weight, retargeted, torch.bfloat16, known)
+    own = kernels.rounding_bound(moved, weight, retargeted, logits_dtype=torch.bfloat16)
+    for field in ("logp", "lse", "spread"):
+        assert torch.equal(kernels.bit_view(getattr(got, field)), kernels.bit_view(getattr(own, field))), field
+    assert not torch.equal(got.logp, canonical.logp) and not torch.equal(got.lse, canonical.lse)
