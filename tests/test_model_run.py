@@ -98,6 +98,7 @@ def test_stock_sdpa_is_red_in_the_moved_cells_and_names_its_first_attention(sdpa
     assert rollout["decode", "k3_kl"] > 0 and rollout["decode", "ppl_ratio"] != 1.0
 
 
+@pytest.mark.slow
 def test_a_whole_model_sweep_is_gated_across_tp_and_profiles(tmp_path):
     sweep = tmp_path / "sweep"
     done = multirun(sweep, MODEL, SMALL, "profile=hf_eager_cpu_bf16,cpu_bf16", "tp=1,2")
@@ -247,6 +248,7 @@ def test_a_whole_model_profile_on_a_head_alone_is_refused_not_run_on_the_head(tm
     assert not list(tmp_path.glob("*/part-*.parquet")), "a refused run wrote a table"
 
 
+@pytest.mark.slow
 def test_a_checkpoint_saved_from_the_config_built_model_loads_by_path_with_its_fingerprint_and_results(
     tmp_path, eager_run
 ):
@@ -468,6 +470,7 @@ INVARIANT = ("profile=invariant_body_cpu_bf16", "layout=model")  # every model-l
 ROLLOUT_METRICS = {"max_abs_dlogp": 0.0, "k1_kl": 0.0, "k2_kl": 0.0, "k3_kl": 0.0, "ppl_ratio": 1.0}
 
 
+@pytest.mark.slow
 def test_the_invariant_body_is_bitwise_in_every_model_cell_and_its_trainer_matches_its_rollout_exactly(tmp_path):
     done = run_rlsweep(tmp_path, MODEL, *INVARIANT)
     assert done.returncode == 0, done.stderr[-3000:]
