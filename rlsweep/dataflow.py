@@ -35,7 +35,7 @@ from rlsweep.verdicts import Judgment, Verdict
 # transformers model types whose base model is: embed_tokens, then each layer x -> h = x + self_attn(
 # input_layernorm(x)) -> h + mlp(post_attention_layernorm(h)), then norm (their modeling code in transformers 5)
 PRE_NORM_RESIDUAL = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
-GATED_MLP = ("gate_proj", "up_proj", "down_proj", "act_fn")
+GATED_MLP = ("gate_proj", "up_proj", "down_proj", "act_fn")  # a dense MLP's children, in that order
 LAYER_CHILDREN = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 DOCS = "docs/whole_model.md#dataflow"
 
@@ -205,10 +205,8 @@ def pre_norm_residual_edges(built: BuiltModel, records: Mapping[str, ModuleRecor
             one_rounding(records, inp(norm2), "+", inp(layer), out(attention)),
             handoff(records, out(norm2), inp(mlp)),
         ]
-        if has_children(
-            modules, mlp, "gate_proj", "up_proj", "down_proj", "act_fn"
-        ):  # a dense gated MLP (an MoE block's are not)
-            gate, up, down, act = (f"{mlp}.{child}" for child in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+        if has_children(modules, mlp, *GATED_MLP):  # a dense gated MLP (an MoE block's are not)
+            gate, up, down, act = (f"{mlp}.{child}" for child in GATED_MLP)
             edges += [
                 handoff(records, inp(mlp), inp(gate)),
                 handoff(records, inp(mlp), inp(up)),
